@@ -1,0 +1,500 @@
+"""Shared runtime for every trainer in the kit.
+
+One owner for each cross-cutting concern: process-group set-up and teardown,
+rank-aware logging, memory monitoring, safe data loaders, collective
+decisions, signals, and checkpoint I/O. Trainers import these; nothing here
+knows about a particular model.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import hashlib
+import logging
+import os
+import random
+import re
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import psutil
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+# Exit code of a run that stopped on SIGINT/SIGTERM/SIGUSR1 after writing its
+# interrupted checkpoint (EX_TEMPFAIL: "try again later"), so a requeue script
+# can tell preemption from failure.
+EXIT_PREEMPTED = 75
+
+DEFAULT_DIST_TIMEOUT_S = 300.0
+
+
+# ----------------------------------------------------------------------------
+# Process group
+# ----------------------------------------------------------------------------
+
+@dataclass
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    backend: Optional[str]  # None when world_size == 1: no process group at all
+    device: torch.device
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a SLURM node list such as 'gpu[07-09,12],cpu3' -> 'gpu07'."""
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise ValueError(f"cannot parse SLURM node list {nodelist!r}")
+    prefix, ranges = m.group(1), m.group(2)
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def detect_launch_env() -> dict:
+    """Rank, local rank and world size from torchrun or SLURM; a plain process is rank 0 of 1."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return dict(rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
+                    local_rank=int(env.get("LOCAL_RANK", env["RANK"])), launcher="torchrun")
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        ntasks = int(env["SLURM_NTASKS"])
+        if ntasks > 1:
+            # c10d's env:// rendezvous reads these; SLURM does not set them itself.
+            if "MASTER_ADDR" not in env:
+                nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+                if not nodelist:
+                    raise RuntimeError("SLURM run with several tasks but neither MASTER_ADDR nor "
+                                       "SLURM_JOB_NODELIST is set")
+                os.environ["MASTER_ADDR"] = first_slurm_host(nodelist)
+            os.environ.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+        return dict(rank=int(env["SLURM_PROCID"]), world_size=ntasks,
+                    local_rank=int(env.get("SLURM_LOCALID", "0")), launcher="slurm")
+    return dict(rank=0, world_size=1, local_rank=0, launcher="none")
+
+
+def pick_backend(requested: Optional[str], device: str = "auto") -> str:
+    if requested:
+        if requested not in ("nccl", "gloo"):
+            raise ValueError(f"--dist-backend must be 'nccl' or 'gloo', got {requested!r}")
+        return requested
+    use_cuda = torch.cuda.is_available() and device != "cpu"
+    return "nccl" if use_cuda else "gloo"
+
+
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def limit_cpu_threads(local_world_size: int) -> None:
+    """Share the cores among the ranks of this node: oversubscribed intra-op threads make
+    every rank slower than one process alone. An explicit OMP_NUM_THREADS wins."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, cpu_count() // max(1, local_world_size)))
+
+
+def setup_distributed(rank: int, world_size: int, local_rank: Optional[int] = None,
+                      backend: Optional[str] = None, device: str = "auto",
+                      timeout_s: float = DEFAULT_DIST_TIMEOUT_S) -> DistEnv:
+    """Join the process group (only when world_size > 1) and pick this rank's device.
+
+    A single process never rendezvouses: collectives below become local no-ops,
+    so `DDPTrainer(rank=0, world_size=1)` needs no MASTER_ADDR.
+    """
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"invalid rank {rank} for world_size {world_size}")
+    local_rank = rank if local_rank is None else local_rank
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' requested but CUDA is not available")
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        # LOCAL_RANK is an integer index into the visible devices; DDP wants that index.
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+        limit_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+
+    if world_size == 1:
+        return DistEnv(rank, local_rank, 1, None, dev)
+
+    chosen = pick_backend(backend, "cuda" if use_cuda else "cpu")
+    if chosen == "nccl" and not use_cuda:
+        raise ValueError("the nccl backend needs CUDA; use --dist-backend gloo on the CPU")
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size or dist.get_rank() != rank:
+            raise RuntimeError(f"a process group already exists as rank {dist.get_rank()}/"
+                               f"{dist.get_world_size()}, not {rank}/{world_size}")
+        return DistEnv(rank, local_rank, world_size, dist.get_backend(), dev)
+    for var in ("MASTER_ADDR", "MASTER_PORT"):
+        if var not in os.environ:
+            raise RuntimeError(f"world_size={world_size} needs {var} in the environment "
+                               f"(torchrun, SLURM or --nproc set it for you)")
+    dist.init_process_group(backend=chosen, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=dev if chosen == "nccl" else None)
+    return DistEnv(rank, local_rank, world_size, chosen, dev)
+
+
+def teardown_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------
+# Collective decisions: every rank takes the same branch at the same step
+# ----------------------------------------------------------------------------
+
+def _comm_device() -> torch.device:
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_tensor(values: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """All-reduce a small tensor and return it on the CPU; identity for a single process."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return values.detach().cpu()
+    t = values.detach().to(_comm_device(), dtype=torch.float64)
+    dist.all_reduce(t, op=op)
+    return t.cpu()
+
+
+def all_reduce_floats(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+    return all_reduce_tensor(torch.tensor(values, dtype=torch.float64), op).tolist()
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if it is true on any rank."""
+    return all_reduce_floats([1.0 if flag else 0.0], dist.ReduceOp.MAX)[0] > 0
+
+
+def all_ranks(flag: bool) -> bool:
+    """True on every rank only if it is true on all ranks."""
+    return all_reduce_floats([1.0 if flag else 0.0], dist.ReduceOp.MIN)[0] > 0
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def gather_objects(obj: Any) -> list:
+    """Every rank's `obj`, on every rank (for rare events: errors, hashes)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def run_on_rank0(fn, *args, what: str = "operation", **kwargs):
+    """Run `fn` on rank 0 and make its failure an error on every rank, not a hang."""
+    error = None
+    result = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            result = fn(*args, **kwargs)
+        except Exception as exc:  # re-raised below, on rank 0 as itself
+            error = exc
+    status = broadcast_object(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    if status is not None:
+        raise RuntimeError(f"{what} failed on rank 0: {status}")
+    return result
+
+
+# ----------------------------------------------------------------------------
+# Logging
+# ----------------------------------------------------------------------------
+
+def setup_logger(log_dir: str | os.PathLike, rank: int, debug: bool = False,
+                 name: str = "ddp") -> logging.Logger:
+    """`rank_N.log` for every rank; console from rank 0 only (every rank with debug)."""
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    logger = logging.getLogger(f"{name}.rank{rank}")
+    for h in list(logger.handlers):  # a second trainer in one process must not double lines
+        logger.removeHandler(h)
+        h.close()
+    logger.setLevel(logging.DEBUG if debug else logging.INFO)
+    logger.propagate = False
+    fmt = logging.Formatter(f"%(asctime)s [RANK {rank}] %(levelname)s: %(message)s", "%Y-%m-%d %H:%M:%S")
+    fh = logging.FileHandler(Path(log_dir) / f"rank_{rank}.log", mode="a")
+    fh.setFormatter(fmt)
+    logger.addHandler(fh)
+    if rank == 0 or debug:
+        sh = logging.StreamHandler(sys.stdout)
+        sh.setFormatter(fmt)
+        logger.addHandler(sh)
+    return logger
+
+
+def close_logger(logger: logging.Logger) -> None:
+    for h in list(logger.handlers):
+        logger.removeHandler(h)
+        h.close()
+
+
+# ----------------------------------------------------------------------------
+# Memory
+# ----------------------------------------------------------------------------
+
+class MemoryManager:
+    """Periodic memory readings and cleanup, driven by the optimizer step counter."""
+
+    def __init__(self, device: torch.device, logger: logging.Logger, check_interval: int = 50,
+                 cleanup_interval: int = 100, max_memory_gb: Optional[float] = None):
+        self.device = device
+        self.logger = logger
+        self.check_interval = check_interval
+        self.cleanup_interval = cleanup_interval
+        self.max_memory_gb = max_memory_gb
+        self.process = psutil.Process()
+        self.peak_rss_gb = 0.0
+
+    def stats(self) -> dict:
+        rss = self.process.memory_info().rss / 2**30
+        self.peak_rss_gb = max(self.peak_rss_gb, rss)
+        out = {"cpu_rss_gb": round(rss, 4), "cpu_peak_rss_gb": round(self.peak_rss_gb, 4)}
+        if self.device.type == "cuda":
+            i = self.device.index
+            out.update(cuda_allocated_gb=round(torch.cuda.memory_allocated(i) / 2**30, 4),
+                       cuda_reserved_gb=round(torch.cuda.memory_reserved(i) / 2**30, 4),
+                       cuda_peak_gb=round(torch.cuda.max_memory_allocated(i) / 2**30, 4))
+        return out
+
+    def on_step(self, step: int) -> Optional[dict]:
+        """Readings every `check_interval` steps (None otherwise); cleanup every `cleanup_interval`."""
+        if self.cleanup_interval and step % self.cleanup_interval == 0:
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        if not self.check_interval or step % self.check_interval:
+            return None
+        s = self.stats()
+        self.logger.debug("memory at step %d: %s", step, s)
+        used = s.get("cuda_reserved_gb", s["cpu_rss_gb"])
+        if self.max_memory_gb and used > self.max_memory_gb:
+            self.logger.warning("memory %.2f GB exceeds max_memory_gb=%.2f at step %d",
+                                used, self.max_memory_gb, step)
+        return s
+
+
+# ----------------------------------------------------------------------------
+# Data loading
+# ----------------------------------------------------------------------------
+
+class ResumableDistributedSampler(DistributedSampler):
+    """DistributedSampler that can start an epoch part-way, for exact mid-epoch resume.
+
+    It is also used for one process (num_replicas=1) so that `world_size=2,
+    batch_size=B` and `world_size=1, batch_size=2B` see the same global batches.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.start_index = 0
+
+    def set_start_index(self, index: int) -> None:
+        """Skip the first `index` samples of this rank's share (applies to the next iteration only)."""
+        self.start_index = index
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())[self.start_index:]
+        self.start_index = 0
+        return iter(indices)
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start_index
+
+
+class ShardSampler(Sampler):
+    """Evaluation shard: rank r takes samples r, r+W, ... with no padding, so after an
+    all-reduce of sums and counts no sample is lost or counted twice."""
+
+    def __init__(self, dataset_len: int, rank: int, world_size: int):
+        self.indices = range(rank, dataset_len, world_size)
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self):
+        return len(self.indices)
+
+
+def _seed_worker(worker_id: int) -> None:
+    # Each worker's torch seed is already distinct (base_seed + id); derive the rest from it.
+    seed = torch.initial_seed() % 2**32
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def capped_workers(requested: int, local_world_size: int) -> int:
+    """At most the CPUs this process may use, shared among the ranks on this node."""
+    return max(0, min(requested, cpu_count() // max(1, local_world_size)))
+
+
+def build_dataloader(dataset: Dataset, batch_size: int, *, train: bool, rank: int, world_size: int,
+                     seed: int, num_workers: int = 0, pin_memory: bool = False,
+                     timeout_s: float = 120.0, collate_fn=None, local_world_size: Optional[int] = None,
+                     prefetch_factor: int = 2) -> DataLoader:
+    """A DataLoader that cannot desynchronise ranks.
+
+    Training: a shuffling distributed sampler with drop_last, so every rank runs
+    the same number of steps. Evaluation: a padding-free shard. Worker count is
+    capped by the CPUs per rank; the loader owns its generator, so building it
+    never consumes the global RNG.
+    """
+    if train:
+        sampler = ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank,
+                                              shuffle=True, seed=seed, drop_last=True)
+        if len(sampler) < batch_size:
+            raise ValueError(f"training set of {len(dataset)} samples gives {len(sampler)} per rank, "
+                             f"fewer than batch_size={batch_size}: no full batch per epoch")
+    else:
+        sampler = ShardSampler(len(dataset), rank, world_size)
+    workers = capped_workers(num_workers, local_world_size or world_size)
+    generator = torch.Generator()
+    generator.manual_seed(seed + rank)
+    kwargs = dict(num_workers=workers, pin_memory=pin_memory, drop_last=train,
+                  generator=generator, collate_fn=collate_fn)
+    if workers > 0:
+        kwargs.update(persistent_workers=True, prefetch_factor=prefetch_factor,
+                      worker_init_fn=_seed_worker, timeout=timeout_s)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **kwargs)
+
+
+# ----------------------------------------------------------------------------
+# Signals
+# ----------------------------------------------------------------------------
+
+class StopSignal:
+    """Sets a flag on SIGINT/SIGTERM/SIGUSR1; the trainer agrees on it at the next step boundary.
+
+    The handler does nothing but set the flag: no I/O, no collectives.
+    """
+
+    SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")
+
+    def __init__(self):
+        self.received: Optional[int] = None
+        self._previous = {}
+
+    def _handler(self, signum, frame):
+        self.received = signum
+
+    def install(self) -> "StopSignal":
+        for name in self.SIGNALS:
+            sig = getattr(signal, name, None)
+            if sig is not None:
+                try:
+                    self._previous[sig] = signal.signal(sig, self._handler)
+                except ValueError:  # not the main thread (e.g. a notebook worker): no handlers
+                    return self
+        return self
+
+    def restore(self) -> None:
+        for sig, prev in self._previous.items():
+            signal.signal(sig, prev)
+        self._previous.clear()
+
+    @property
+    def name(self) -> Optional[str]:
+        return None if self.received is None else signal.Signals(self.received).name
+
+
+# ----------------------------------------------------------------------------
+# Checkpoint I/O
+# ----------------------------------------------------------------------------
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    _fsync_dir(path.parent)
+
+
+def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
+    """Write `obj` with torch.save through a temp file in the same directory, fsync, rename;
+    then a `.sha256` sidecar. The previous file at `path` survives any failure."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, lambda f: torch.save(obj, f))
+    digest = sha256_file(path)
+    _atomic_write(path.with_name(path.name + ".sha256"),
+                  lambda f: f.write(f"{digest}  {path.name}\n".encode()))
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike, map_location="cpu", verify: bool = True) -> dict:
+    """Load with weights_only=True (never falls back); check the SHA-256 sidecar when present."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    sidecar = path.with_name(path.name + ".sha256")
+    if verify and sidecar.exists():
+        expected = sidecar.read_text().split()[0]
+        actual = sha256_file(path)
+        if actual != expected:
+            raise CheckpointError(f"checkpoint {path} fails its SHA-256 check "
+                                  f"(expected {expected[:12]}…, got {actual[:12]}…): corrupt or truncated")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {path} cannot be loaded safely: {exc}") from exc
+
+
+def unwrap_state_dict(model: torch.nn.Module) -> dict:
+    """The state dict without DDP's or torch.compile's wrapper prefixes."""
+    inner = getattr(model, "module", model)
+    inner = getattr(inner, "_orig_mod", inner)
+    return inner.state_dict()

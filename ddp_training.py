@@ -1,0 +1,916 @@
+"""DDPTrainer: the one training loop of the kit, and a small causal transformer LM it
+trains by default on a learnable synthetic source (a random Markov chain whose entropy
+rate is the loss floor) or on a real corpus (`--data file.txt|tokens.npy`).
+
+    python ddp_training.py --cpu --test                 # one process, seconds
+    python ddp_training.py --cpu --nproc 2              # two gloo processes, no torchrun
+    torchrun --standalone --nproc_per_node=2 ddp_training.py --cpu
+    python -c "from ddp_training import DDPTrainer; DDPTrainer(rank=0, world_size=1, config={'max_steps': 50}).train()"
+
+Every control decision (skip a step, stop early, stop on a signal) is taken from an
+all-reduced value, so all ranks take the same branch at the same step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import random
+import socket
+import sys
+import time
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddp_runtime as rt
+
+
+# ----------------------------------------------------------------------------
+# Configuration: every default written once, here
+# ----------------------------------------------------------------------------
+
+@dataclass
+class TrainConfig:
+    # model (the default LM)
+    vocab_size: int = 64
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    dropout: float = 0.0
+    seq_len: int = 64
+    # data
+    data: Optional[str] = None          # text file (bytes) or .npy token ids; None = synthetic Markov chain
+    dataset_size: int = 4096            # synthetic training sequences
+    markov_branching: int = 4           # successors per token in the synthetic chain
+    val_fraction: float = 0.05
+    test_fraction: float = 0.05
+    num_workers: int = 0
+    pin_memory: bool = True
+    # optimisation
+    batch_size: int = 32                # per rank, per micro-step
+    grad_accum_steps: int = 1
+    learning_rate: float = 3e-3
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0              # 0 = off
+    lr_schedule: str = "cosine"         # cosine | wsd | constant
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    num_epochs: int = 3
+    max_steps: int = 0                  # 0 = num_epochs worth of steps
+    loss_normalization: str = "token"   # token: global mean over counted tokens; sample: mean over samples
+    use_amp: bool = True                # CUDA: bf16 where supported, else fp16 + GradScaler; CPU: see amp_dtype
+    amp_dtype: str = "auto"             # auto | bf16 | fp16 ; on the CPU only an explicit bf16 enables autocast
+    seed: int = 1337
+    # distributed
+    device: str = "auto"                # auto | cuda | cpu
+    dist_backend: Optional[str] = None  # nccl | gloo ; None = nccl with CUDA, else gloo
+    dist_timeout: float = rt.DEFAULT_DIST_TIMEOUT_S
+    find_unused_parameters: bool = False
+    bucket_cap_mb: float = 25.0
+    # evaluation and stopping
+    val_interval: int = 0               # steps between validations; 0 = end of every epoch
+    patience: int = 0                   # validations without improvement before stopping; 0 = off
+    min_delta: float = 0.0
+    target_loss: Optional[float] = None  # stop once validation loss <= this
+    # logging, memory
+    log_dir: str = "logs"
+    log_interval: int = 10
+    debug: bool = False
+    memory_check_interval: int = 50
+    cleanup_interval: int = 100
+    max_memory_gb: float = 16.0
+    # checkpoints
+    checkpoint_dir: str = "checkpoints"
+    checkpoint_prefix: str = "model"
+    save_interval: int = 1              # epochs between <prefix>_epoch_N.pt; 0 = off
+    save_every_iters: int = 0           # steps between <prefix>_step_N.pt; 0 = off
+    # faults
+    max_errors_per_epoch: int = 5
+    max_bad_steps: int = 5              # consecutive non-finite steps before giving up
+
+    @classmethod
+    def from_dict(cls, cfg: Optional[dict]) -> "TrainConfig":
+        cfg = dict(cfg or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in cfg:
+            if key not in known:
+                raise ValueError(f"unknown config key {key!r}; known keys: {', '.join(sorted(known))}")
+        out = cls(**cfg)
+        out.check()
+        return out
+
+    def check(self) -> None:
+        choices = {"lr_schedule": ("cosine", "wsd", "constant"), "loss_normalization": ("token", "sample"),
+                   "amp_dtype": ("auto", "bf16", "fp16"), "device": ("auto", "cuda", "cpu"),
+                   "dist_backend": (None, "nccl", "gloo")}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"config key {key!r} must be one of {allowed}, got {getattr(self, key)!r}")
+        for key in ("batch_size", "grad_accum_steps", "seq_len", "hidden_size", "num_layers", "num_heads"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"config key {key!r} must be >= 1, got {getattr(self, key)}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}")
+        if self.num_epochs < 1 and self.max_steps < 1:
+            raise ValueError("set num_epochs >= 1 or max_steps >= 1")
+        if self.dist_timeout <= 0:
+            raise ValueError(f"dist_timeout must be positive seconds, got {self.dist_timeout}")
+
+
+# A quick run: tiny model, few steps, finishes in seconds on a CPU.
+TEST_PRESET = dict(hidden_size=32, num_layers=2, num_heads=2, seq_len=32, dataset_size=1024,
+                   batch_size=16, num_epochs=1, max_steps=60, learning_rate=1e-2, warmup_steps=5,
+                   log_interval=10, val_interval=20)
+
+
+# ----------------------------------------------------------------------------
+# The default model: a small causal transformer LM (pre-LN, tied embeddings)
+# ----------------------------------------------------------------------------
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, hidden: int, heads: int, dropout: float):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.dropout = dropout
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int, heads: int, dropout: float):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(hidden)
+        self.attn = CausalSelfAttention(hidden, heads, dropout)
+        self.ln2 = nn.LayerNorm(hidden)
+        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden),
+                                 nn.Dropout(dropout))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class CausalLM(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int,
+                 seq_len: int, dropout: float = 0.0):
+        super().__init__()
+        self.config = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
+                           num_heads=num_heads, seq_len=seq_len, dropout=dropout)
+        self.tok = nn.Embedding(vocab_size, hidden_size)
+        self.pos = nn.Embedding(seq_len, hidden_size)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(hidden_size, num_heads, dropout) for _ in range(num_layers))
+        self.ln_f = nn.LayerNorm(hidden_size)
+        self.head = nn.Linear(hidden_size, vocab_size, bias=False)
+        self.head.weight = self.tok.weight
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.drop(self.tok(idx) + self.pos(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+IGNORE_INDEX = -100
+
+
+def lm_loss(model: nn.Module, batch, normalization: str = "token"):
+    """Sum of losses and how many items it sums, so the trainer can divide by the
+    global count (all ranks, all micro-batches): `token` counts target tokens after
+    the causal shift, `sample` averages within each sample and counts samples."""
+    x, y = batch
+    logits = model(x)
+    per_token = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX,
+                                reduction="none").view_as(y)
+    mask = (y != IGNORE_INDEX)
+    if normalization == "token":
+        return per_token.sum(), mask.sum()
+    per_sample = per_token.sum(1) / mask.sum(1).clamp(min=1)
+    has_tokens = mask.any(1)
+    return per_sample[has_tokens].sum(), has_tokens.sum()
+
+
+# ----------------------------------------------------------------------------
+# Default data: a random Markov chain (known loss floor) or a real token file
+# ----------------------------------------------------------------------------
+
+class TokenSequences(torch.utils.data.Dataset):
+    """Windows of seq_len+1 tokens from a 1-D token array (in memory or memory-mapped)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, starts: np.ndarray):
+        self.tokens, self.seq_len, self.starts = tokens, seq_len, starts
+
+    def __len__(self):
+        return len(self.starts)
+
+    def __getitem__(self, i):
+        s = int(self.starts[i])
+        w = torch.from_numpy(np.asarray(self.tokens[s:s + self.seq_len + 1], dtype=np.int64))
+        return w[:-1], w[1:]
+
+
+@dataclass
+class LMData:
+    train: torch.utils.data.Dataset
+    val: torch.utils.data.Dataset
+    test: torch.utils.data.Dataset
+    vocab_size: int
+    info: dict = field(default_factory=dict)   # loss_floor / unigram_entropy and a description
+
+
+def markov_chain(vocab: int, branching: int, seed: int) -> np.ndarray:
+    """A fixed random transition matrix: each token has `branching` likely successors."""
+    rng = np.random.default_rng(seed)
+    P = np.zeros((vocab, vocab))
+    for i in range(vocab):
+        succ = rng.choice(vocab, size=min(branching, vocab), replace=False)
+        P[i, succ] = rng.dirichlet(np.ones(len(succ)))
+    return P
+
+
+def stationary(P: np.ndarray) -> np.ndarray:
+    pi = np.full(len(P), 1.0 / len(P))
+    for _ in range(10000):
+        nxt = pi @ P
+        if np.abs(nxt - pi).max() < 1e-13:
+            break
+        pi = nxt
+    return pi / pi.sum()
+
+
+def entropy_rate(P: np.ndarray) -> float:
+    """Nats per token: the lowest expected cross-entropy any next-token predictor can reach."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        row_h = -np.where(P > 0, P * np.log(P), 0.0).sum(1)
+    return float(stationary(P) @ row_h)
+
+
+def sample_chain(P: np.ndarray, n: int, length: int, rng: np.random.Generator) -> np.ndarray:
+    cum = np.cumsum(P, axis=1)
+    cum[:, -1] = 1.0
+    out = np.empty((n, length), dtype=np.int64)
+    out[:, 0] = rng.choice(len(P), size=n, p=stationary(P))
+    for t in range(1, length):
+        u = rng.random(n)
+        out[:, t] = (u[:, None] > cum[out[:, t - 1]]).sum(1)
+    return out
+
+
+def synthetic_lm_data(cfg: TrainConfig) -> LMData:
+    P = markov_chain(cfg.vocab_size, cfg.markov_branching, cfg.seed)
+    rng = np.random.default_rng(cfg.seed + 1)
+    n_eval = max(64, int(cfg.dataset_size * cfg.val_fraction))
+    n_test = max(64, int(cfg.dataset_size * cfg.test_fraction))
+    width = cfg.seq_len + 1
+    seqs = sample_chain(P, cfg.dataset_size + n_eval + n_test, width, rng).reshape(-1)
+
+    def part(first, count):
+        return TokenSequences(seqs, cfg.seq_len, np.arange(first, first + count) * width)
+
+    floor = entropy_rate(P)
+    return LMData(part(0, cfg.dataset_size), part(cfg.dataset_size, n_eval),
+                  part(cfg.dataset_size + n_eval, n_test), cfg.vocab_size,
+                  dict(source=f"markov(vocab={cfg.vocab_size}, branching={cfg.markov_branching})",
+                       loss_floor=round(floor, 5)))
+
+
+def load_tokens(path: Path) -> tuple[np.ndarray, int]:
+    """Memory-mapped token ids and vocabulary size; text files are bytes (vocab 256)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"--data {path}: no such file")
+    if path.suffix == ".npy":
+        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"--data {path}: expected a 1-D integer array of token ids, "
+                             f"got shape {tokens.shape} dtype {tokens.dtype}")
+        top = max(int(tokens[i:i + 1 << 24].max()) for i in range(0, len(tokens), 1 << 24))
+        low = min(int(tokens[i:i + 1 << 24].min()) for i in range(0, len(tokens), 1 << 24))
+        if low < 0:
+            raise ValueError(f"--data {path}: token ids must be >= 0, found {low}")
+        return tokens, top + 1
+    return np.memmap(path, dtype=np.uint8, mode="r"), 256
+
+
+def unigram_entropy(tokens: np.ndarray, vocab: int) -> float:
+    counts = np.zeros(vocab, dtype=np.int64)
+    for i in range(0, len(tokens), 1 << 24):
+        counts += np.bincount(np.asarray(tokens[i:i + (1 << 24)]), minlength=vocab)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def file_lm_data(cfg: TrainConfig) -> LMData:
+    path = Path(cfg.data)
+    tokens, vocab = load_tokens(path)
+    n = len(tokens)
+    n_val, n_test = int(n * cfg.val_fraction), int(n * cfg.test_fraction)
+    n_train = n - n_val - n_test
+    width = cfg.seq_len + 1
+
+    def windows(lo, hi):
+        return np.arange(lo, hi - width + 1, cfg.seq_len)
+
+    splits = [windows(0, n_train), windows(n_train, n_train + n_val), windows(n_train + n_val, n)]
+    for name, s in zip(("training", "validation", "test"), splits):
+        if len(s) == 0:
+            raise ValueError(f"--data {path}: {n} tokens leave no {name} window of seq_len+1={width} tokens; "
+                             f"use a bigger file, a smaller seq_len or other val/test fractions")
+    ent = unigram_entropy(tokens[:n_train], vocab)
+    return LMData(*(TokenSequences(tokens, cfg.seq_len, s) for s in splits), vocab,
+                  dict(source=f"{path} ({n} tokens)", unigram_entropy=round(ent, 5)))
+
+
+def build_lm_data(cfg: TrainConfig) -> LMData:
+    return file_lm_data(cfg) if cfg.data else synthetic_lm_data(cfg)
+
+
+# ----------------------------------------------------------------------------
+# Optimiser and schedule
+# ----------------------------------------------------------------------------
+
+def build_optimizer(model: nn.Module, lr: float, weight_decay: float, device: torch.device):
+    """AdamW; matrices decay, biases and norm gains do not."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), **fast)
+
+
+def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: float) -> float:
+    """Multiplier of the base LR after `step` optimizer steps."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant" or total <= warmup:
+        return 1.0
+    if schedule == "wsd":  # warmup, stable, then linear decay over the last 20%
+        decay_start = warmup + int(0.8 * (total - warmup))
+        if step < decay_start:
+            return 1.0
+        frac = min(1.0, (step - decay_start) / max(1, total - decay_start))
+        return 1.0 - (1.0 - min_ratio) * frac
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
+# ----------------------------------------------------------------------------
+# The trainer
+# ----------------------------------------------------------------------------
+
+LossFn = Callable[[nn.Module, Any], tuple]
+
+
+def to_device(batch, device: torch.device, non_blocking: bool):
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device, non_blocking) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device, non_blocking) for k, v in batch.items()}
+    return batch
+
+
+class DDPTrainer:
+    """Trains any model whose `loss_fn(model, batch)` returns `(loss_sum, count)` or
+    `(loss_sum, count, {name: sum})`; the logged and optimised loss is the global mean
+    sum / count over all ranks and micro-batches of a step.
+
+    Without `model=` it trains the default causal LM on `config['data']` or the
+    synthetic Markov chain.
+    """
+
+    def __init__(self, rank: int = 0, world_size: int = 1, config: Optional[dict] = None, *,
+                 local_rank: Optional[int] = None, model: Optional[nn.Module] = None,
+                 train_dataset=None, val_dataset=None, test_dataset=None,
+                 loss_fn: Optional[LossFn] = None, collate_fn=None,
+                 checkpoint_extra: Optional[dict] = None, weights_key: str = "model",
+                 count_unit: str = "tokens", describe: Optional[str] = None):
+        self.cfg = TrainConfig.from_dict(config)
+        cfg = self.cfg
+        self.env = rt.setup_distributed(rank, world_size, local_rank, cfg.dist_backend, cfg.device,
+                                        cfg.dist_timeout)
+        try:
+            self._build(model, train_dataset, val_dataset, test_dataset, loss_fn, collate_fn,
+                        checkpoint_extra, weights_key, count_unit, describe)
+        except BaseException:
+            if hasattr(self, "log"):
+                self.log.exception("trainer set-up failed")
+                rt.close_logger(self.log)
+            rt.teardown_distributed()
+            raise
+
+    # -- set-up ---------------------------------------------------------------
+
+    def _build(self, model, train_dataset, val_dataset, test_dataset, loss_fn, collate_fn,
+               checkpoint_extra, weights_key, count_unit, describe):
+        cfg, env = self.cfg, self.env
+        self.log = rt.setup_logger(cfg.log_dir, env.rank, cfg.debug)
+        self.log.info("rank %d/%d, local_rank %d, device %s, backend %s, timeout %.0fs",
+                      env.rank, env.world_size, env.local_rank, env.device, env.backend or "none (1 process)",
+                      cfg.dist_timeout)
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+
+        self.data_info: dict = {}
+        if model is None:
+            data = build_lm_data(cfg)
+            if data.vocab_size > cfg.vocab_size:
+                self.log.info("vocab_size raised from %d to %d for %s", cfg.vocab_size, data.vocab_size,
+                              data.info["source"])
+            vocab = max(cfg.vocab_size, data.vocab_size)
+            model = CausalLM(vocab, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.seq_len, cfg.dropout)
+            train_dataset, val_dataset, test_dataset = data.train, data.val, data.test
+            self.data_info = data.info
+            checkpoint_extra = {"model_config": model.config, **(checkpoint_extra or {})}
+            describe = describe or f"CausalLM {model.config}"
+        if train_dataset is None:
+            raise ValueError("a custom model needs train_dataset=")
+        if loss_fn is None:
+            norm = cfg.loss_normalization
+            loss_fn = lambda m, b: lm_loss(m, b, norm)  # noqa: E731
+        self.loss_fn = loss_fn
+        self.checkpoint_extra = checkpoint_extra or {}
+        self.weights_key = weights_key
+        self.count_unit = count_unit
+
+        self.raw_model = model.to(env.device)
+        n_params = sum(p.numel() for p in model.parameters())
+        self.log.info("model: %s, %s parameters", describe or type(model).__name__, f"{n_params:,}")
+        if self.data_info:
+            self.log.info("data: %s", self.data_info)
+        if env.is_distributed:
+            self.model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
+                             find_unused_parameters=cfg.find_unused_parameters,
+                             gradient_as_bucket_view=True, bucket_cap_mb=cfg.bucket_cap_mb)
+        else:
+            self.model = model
+
+        pin = cfg.pin_memory and env.device.type == "cuda"
+        loader = lambda ds, train: rt.build_dataloader(  # noqa: E731
+            ds, cfg.batch_size, train=train, rank=env.rank, world_size=env.world_size, seed=cfg.seed,
+            num_workers=cfg.num_workers, pin_memory=pin, collate_fn=collate_fn,
+            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size)))
+        self.train_loader = loader(train_dataset, True)
+        self.val_loader = loader(val_dataset, False) if val_dataset is not None else None
+        self.test_loader = loader(test_dataset, False) if test_dataset is not None else None
+        self.non_blocking = pin
+
+        self.steps_per_epoch = len(self.train_loader) // cfg.grad_accum_steps
+        if self.steps_per_epoch < 1:
+            raise ValueError(f"{len(self.train_loader)} batches per epoch are fewer than "
+                             f"grad_accum_steps={cfg.grad_accum_steps}")
+        self.total_steps = cfg.max_steps or cfg.num_epochs * self.steps_per_epoch
+        self.optimizer = build_optimizer(self.raw_model, cfg.learning_rate, cfg.weight_decay, env.device)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, self.total_steps, cfg.warmup_steps, cfg.lr_schedule,
+                                                cfg.min_lr_ratio))
+        self.amp_dtype = self._pick_amp()
+        self.scaler = torch.amp.GradScaler("cuda") if self.amp_dtype == torch.float16 else None
+        self.memory = rt.MemoryManager(env.device, self.log, cfg.memory_check_interval,
+                                       cfg.cleanup_interval, cfg.max_memory_gb)
+        self.metrics_path = Path(cfg.log_dir) / "metrics.jsonl"
+        self.ckpt_dir = Path(cfg.checkpoint_dir)
+
+        self.global_step = 0
+        self.epoch = 0
+        self.best_val = math.inf
+        self.bad_validations = 0
+        self.consecutive_bad_steps = 0
+        self.skipped_steps = 0
+        self.last_val: Optional[float] = None
+        self.log.info("%d steps (%d per epoch), global batch %d = %d per rank x %d accum x %d ranks",
+                      self.total_steps, self.steps_per_epoch,
+                      cfg.batch_size * cfg.grad_accum_steps * env.world_size,
+                      cfg.batch_size, cfg.grad_accum_steps, env.world_size)
+
+    def _pick_amp(self) -> Optional[torch.dtype]:
+        cfg, dev = self.cfg, self.env.device
+        if not cfg.use_amp:
+            return None
+        if dev.type == "cuda":
+            if cfg.amp_dtype == "fp16" or (cfg.amp_dtype == "auto" and not torch.cuda.is_bf16_supported()):
+                return torch.float16
+            return torch.bfloat16
+        if cfg.amp_dtype == "bf16":
+            return torch.bfloat16
+        return None  # fp16 autocast on the CPU is slow and unscaled: off unless bf16 is asked for
+
+    def _autocast(self):
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.env.device.type, dtype=self.amp_dtype)
+
+    # -- one optimizer step -----------------------------------------------------
+
+    def _train_step(self, micro_batches: list, stop_requested: bool) -> dict:
+        """Forward/backward over the accumulation window, one small all-reduce of
+        [count, loss, extras..., non-finite, stop], then a step that all ranks agree on."""
+        cfg, model = self.cfg, self.model
+        model.train()
+        loss_sum = torch.zeros((), device=self.env.device, dtype=torch.float64)
+        count = torch.zeros((), device=self.env.device, dtype=torch.float64)
+        extras: dict = {}
+        nonfinite = torch.zeros((), device=self.env.device, dtype=torch.float64)
+        for k, batch in enumerate(micro_batches):
+            batch = to_device(batch, self.env.device, self.non_blocking)
+            last = k == len(micro_batches) - 1
+            # Non-final micro-steps accumulate locally; only the last one all-reduces.
+            sync = contextlib.nullcontext() if last or not self.env.is_distributed else model.no_sync()
+            with sync:
+                with self._autocast():
+                    out = self.loss_fn(model, batch)
+                s, c = out[0], out[1]
+                # Scaling by a constant that is equal on all ranks keeps DDP's average a
+                # plain sum; the true 1/global_count is applied once all counts are known.
+                scaled = s.float() / cfg.batch_size
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            finite = torch.isfinite(s.detach())
+            nonfinite = torch.maximum(nonfinite, (~finite).double())
+            loss_sum += torch.where(finite, s.detach().double(), 0.0)
+            count += torch.as_tensor(c, device=self.env.device).double()
+            for name, v in (out[2] if len(out) > 2 else {}).items():
+                extras[name] = extras.get(name, 0.0) + torch.where(finite, v.detach().double(), 0.0)
+
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        params = [p for p in self.raw_model.parameters() if p.grad is not None]
+        raw_norm = torch.nn.utils.get_total_norm([p.grad for p in params]).double()
+        grad_bad = ~torch.isfinite(raw_norm)
+        if self.scaler is None:  # with a GradScaler, inf gradients are its normal business
+            nonfinite = torch.maximum(nonfinite, grad_bad.double())
+        stop = torch.tensor(float(stop_requested), device=self.env.device, dtype=torch.float64)
+        names = sorted(extras)
+        packed = torch.stack([count, loss_sum, nonfinite, stop] + [extras[n] for n in names])
+        reduced = rt.all_reduce_tensor(packed).tolist()
+        g_count, g_loss, g_nonfinite, g_stop = reduced[:4]
+        result = {"count": g_count, "loss": g_loss / max(g_count, 1.0), "stop": g_stop > 0,
+                  "extras": {n: v / max(g_count, 1.0) for n, v in zip(names, reduced[4:])}}
+
+        skip = g_nonfinite > 0 or g_count == 0 or (self.scaler is not None and bool(grad_bad))
+        if skip:
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.scaler:
+                self.scaler.update()
+            result.update(skipped=True, nonfinite=g_nonfinite > 0, grad_norm=float("nan"))
+            return result
+        # DDP averaged the per-rank sums: grad = (1/W) sum S / B. Make it sum S / N.
+        factor = self.env.world_size * cfg.batch_size / g_count
+        norm = raw_norm * factor
+        coef = factor
+        if cfg.grad_clip > 0:
+            coef = (factor * torch.clamp(cfg.grad_clip / (norm + 1e-6), max=1.0)).float()
+        torch._foreach_mul_([p.grad for p in params], coef)
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        result.update(skipped=False, nonfinite=False, grad_norm=float(norm))
+        return result
+
+    # -- evaluation -------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, loader=None) -> dict:
+        """Mean loss over the whole set: each rank its shard, sums and counts all-reduced."""
+        loader = loader or self.val_loader
+        model = self.raw_model  # no DDP forward: ranks may run different numbers of batches
+        was_training = model.training
+        model.eval()
+        total = torch.zeros(2, dtype=torch.float64, device=self.env.device)
+        extras: dict = {}
+        for batch in loader:
+            batch = to_device(batch, self.env.device, self.non_blocking)
+            with self._autocast():
+                out = self.loss_fn(model, batch)
+            total[0] += out[0].double()
+            total[1] += torch.as_tensor(out[1], device=self.env.device).double()
+            for name, v in (out[2] if len(out) > 2 else {}).items():
+                extras[name] = extras.get(name, 0.0) + v.double()
+        model.train(was_training)
+        names = sorted(extras)
+        reduced = rt.all_reduce_tensor(torch.stack([total[0], total[1]] + [extras[n] for n in names])
+                                       ).tolist()
+        n = reduced[1]
+        if n == 0:
+            raise ValueError("evaluation set is empty")
+        return {"loss": reduced[0] / n, "count": n, **{k: v / n for k, v in zip(names, reduced[2:])}}
+
+    # -- checkpoints and metrics ------------------------------------------------
+
+    def checkpoint_path(self, tag: str) -> Path:
+        return self.ckpt_dir / f"{self.cfg.checkpoint_prefix}_{tag}.pt"
+
+    def save_checkpoint(self, tag: str) -> Path:
+        """Weights only (no `module.` prefix), step and val loss; rank 0 writes atomically,
+        and a failed write is an error on every rank."""
+        path = self.checkpoint_path(tag)
+        payload = {self.weights_key: rt.unwrap_state_dict(self.model), "global_step": self.global_step,
+                   **self.checkpoint_extra}
+        if self.last_val is not None:
+            payload["val_loss"] = self.last_val
+        rt.run_on_rank0(rt.atomic_save, payload, path, what=f"writing {path}")
+        self.log.info("saved checkpoint %s (step %d%s)", path, self.global_step,
+                      "" if self.last_val is None else f", val_loss {self.last_val:.6f}")
+        return path
+
+    def write_metrics(self, record: dict) -> None:
+        if self.env.is_main:
+            self._metrics_file.write(json.dumps(record) + "\n")
+            self._metrics_file.flush()
+
+    # -- validation and stopping -----------------------------------------------
+
+    def _validate(self) -> bool:
+        """Validate, save best, and return the (collective) decision to stop early."""
+        if self.val_loader is None:
+            return False
+        res = self.evaluate()
+        self.last_val = res["loss"]
+        improved = res["loss"] < self.best_val - self.cfg.min_delta
+        if res["loss"] < self.best_val:
+            self.best_val = res["loss"]
+            self.save_checkpoint("best")
+        self.bad_validations = 0 if improved else self.bad_validations + 1
+        extra = {f"val_{k}": v for k, v in res.items() if k not in ("loss", "count")}
+        self.write_metrics({"type": "val", "step": self.global_step, "epoch": self.epoch,
+                            "val_loss": res["loss"], **extra, "time": time.time() - self.t0,
+                            **({"loss_floor": self.data_info["loss_floor"]} if "loss_floor" in self.data_info
+                               else {})})
+        floor = self.data_info.get("loss_floor", self.data_info.get("unigram_entropy"))
+        self.log.info("validation at step %d: loss %.5f (best %.5f)%s", self.global_step, res["loss"],
+                      self.best_val, "" if floor is None else
+                      f" [{'loss floor' if 'loss_floor' in self.data_info else 'unigram entropy'} {floor:.5f}]")
+        # Every rank holds the same all-reduced loss, so these decisions agree without more talk.
+        if self.cfg.target_loss is not None and res["loss"] <= self.cfg.target_loss:
+            self.log.info("target_loss %.5f reached: stopping", self.cfg.target_loss)
+            return True
+        if self.cfg.patience and self.bad_validations >= self.cfg.patience:
+            self.log.info("no improvement in %d validations: early stop", self.bad_validations)
+            return True
+        return False
+
+    # -- the loop ---------------------------------------------------------------
+
+    def train(self) -> dict:
+        """Run to max_steps/num_epochs, early stop, or an agreed stop signal; returns a summary."""
+        stop_signal = rt.StopSignal().install()
+        if self.env.is_main:
+            Path(self.cfg.log_dir).mkdir(parents=True, exist_ok=True)
+            self._metrics_file = open(self.metrics_path, "a")
+        try:
+            status = self._loop(stop_signal)
+            summary = self._finish(status)
+        except BaseException as exc:
+            self.log.error("training failed at step %d: %s: %s", self.global_step, type(exc).__name__, exc)
+            raise
+        finally:
+            stop_signal.restore()
+            if self.env.is_main:
+                self._metrics_file.close()
+            rt.teardown_distributed()
+            rt.close_logger(self.log)
+        return summary
+
+    def _loop(self, stop_signal: rt.StopSignal) -> str:
+        cfg = self.cfg
+        self.t0 = time.time()
+        self.samples_seen = 0
+        global_batch = cfg.batch_size * cfg.grad_accum_steps * self.env.world_size
+        window_t, window_steps = time.time(), 0
+        while True:
+            self.train_loader.sampler.set_epoch(self.epoch)
+            batches = iter(self.train_loader)
+            for _ in range(self.steps_per_epoch):
+                micro = [next(batches) for _ in range(cfg.grad_accum_steps)]
+                step_t = time.time()
+                r = self._train_step(micro, stop_signal.received is not None)
+                self.global_step += 1
+                self.samples_seen += global_batch
+                window_steps += 1
+                self._after_step(r, time.time() - step_t, global_batch)
+                if self.global_step % cfg.log_interval == 0 or self.global_step == 1:
+                    rate = window_steps * global_batch / (time.time() - window_t)
+                    self.log.info("epoch %d step %d/%d loss %.5f lr %.2e grad_norm %.3f %.0f samples/s",
+                                  self.epoch, self.global_step, self.total_steps, r["loss"],
+                                  self.scheduler.get_last_lr()[0], r["grad_norm"], rate)
+                    window_t, window_steps = time.time(), 0
+                if r["stop"]:
+                    self.log.warning("stop signal received (%s on some rank): saving and exiting at step %d",
+                                     stop_signal.name or "another rank", self.global_step)
+                    self.save_checkpoint("interrupted")
+                    rt.run_on_rank0(self._write_preempted_marker, what="writing PREEMPTED marker")
+                    return "interrupted"
+                if cfg.save_every_iters and self.global_step % cfg.save_every_iters == 0:
+                    self.save_checkpoint(f"step_{self.global_step}")
+                if cfg.val_interval and self.global_step % cfg.val_interval == 0 and self._validate():
+                    return "early_stopped"
+                if self.global_step >= self.total_steps:
+                    if not cfg.val_interval or self.global_step % cfg.val_interval:
+                        if self._validate():
+                            return "early_stopped"
+                    return "completed"
+            self.epoch += 1
+            if not cfg.val_interval and self._validate():
+                return "early_stopped"
+            if cfg.save_interval and self.epoch % cfg.save_interval == 0:
+                self.save_checkpoint(f"epoch_{self.epoch}")
+
+    def _after_step(self, r: dict, step_time: float, global_batch: int) -> None:
+        cfg = self.cfg
+        if r["skipped"]:
+            self.skipped_steps += 1
+        if r["nonfinite"]:
+            self.consecutive_bad_steps += 1
+            self.log.warning("non-finite loss or gradients at step %d on some rank: step skipped on all ranks "
+                             "(%d in a row)", self.global_step, self.consecutive_bad_steps)
+            if self.consecutive_bad_steps >= cfg.max_bad_steps:
+                self.save_checkpoint("interrupted")
+                raise FloatingPointError(f"{self.consecutive_bad_steps} consecutive non-finite steps "
+                                         f"(max_bad_steps={cfg.max_bad_steps}) at step {self.global_step}; "
+                                         f"last good weights saved to {self.checkpoint_path('interrupted')}")
+        else:
+            self.consecutive_bad_steps = 0
+        record = {"type": "train", "step": self.global_step, "epoch": self.epoch, "loss": r["loss"],
+                  **r["extras"], "lr": self.scheduler.get_last_lr()[0], "grad_norm": r["grad_norm"],
+                  "samples_per_s": global_batch / step_time, f"{self.count_unit}_per_s": r["count"] / step_time,
+                  "skipped": r["skipped"], "time": time.time() - self.t0}
+        mem = self.memory.on_step(self.global_step)
+        if mem:
+            record.update(mem)
+        self.write_metrics(record)
+
+    def _write_preempted_marker(self) -> None:
+        marker = Path(self.cfg.log_dir) / "PREEMPTED"
+        marker.write_text(json.dumps({"step": self.global_step, "epoch": self.epoch,
+                                      "checkpoint": str(self.checkpoint_path("interrupted"))}) + "\n")
+
+    def _finish(self, status: str) -> dict:
+        if status != "interrupted":
+            self.save_checkpoint("final")
+        test = self.evaluate(self.test_loader) if self.test_loader is not None and status != "interrupted" else None
+        wall = time.time() - self.t0
+        summary = {"status": status, "steps": self.global_step, "epochs": self.epoch,
+                   "final_val_loss": self.last_val,
+                   "best_val_loss": None if math.isinf(self.best_val) else self.best_val,
+                   "test_loss": None if test is None else test["loss"], "wall_time_s": round(wall, 3),
+                   "samples_per_s": self.samples_seen / wall if wall > 0 else None,
+                   "skipped_steps": self.skipped_steps, "world_size": self.env.world_size,
+                   "peak_rss_gb": self.memory.stats()["cpu_peak_rss_gb"], **self.data_info}
+        if self.env.device.type == "cuda":
+            summary["cuda_peak_gb"] = self.memory.stats()["cuda_peak_gb"]
+        self.write_metrics({"type": "summary", **summary})
+        self.log.info("finished (%s): %s", status, json.dumps(summary))
+        return summary
+
+
+# ----------------------------------------------------------------------------
+# Command line: every config key as --key, YAML with --config, CLI > YAML > defaults
+# ----------------------------------------------------------------------------
+
+ALIASES = {"batch_size": ["--batch-size"], "num_epochs": ["--epochs"], "learning_rate": ["--lr"],
+           "dist_backend": ["--dist-backend"], "dist_timeout": ["--dist-timeout"],
+           "grad_accum_steps": ["--grad-accum-steps"], "save_every_iters": ["--save-every-iters"],
+           "max_steps": ["--max-steps"], "log_dir": ["--log-dir"], "checkpoint_dir": ["--checkpoint-dir"]}
+
+
+def parse_bool(text: str) -> bool:
+    low = str(text).lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def _field_parser(tp):
+    """argparse `type=` for a dataclass field annotation (Optional[X] accepts 'none')."""
+    args = typing.get_args(tp)
+    inner = next(a for a in args if a is not type(None)) if args else tp
+    base = {bool: parse_bool, int: int, float: float, str: str}[inner]
+    if not args:
+        return base
+    return lambda text: None if str(text).lower() in ("none", "null") else base(text)
+
+
+def config_from_yaml(path: str) -> dict:
+    import yaml
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a flat mapping of config keys, got {type(data).__name__}")
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    for key in data:
+        if key not in known:
+            raise ValueError(f"--config {path}: unknown config key {key!r}")
+    return data
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Robust DDP training of a small causal transformer LM.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", help="YAML file with a flat mapping of config keys")
+    p.add_argument("--cpu", action="store_true", help="train on the CPU with gloo")
+    p.add_argument("--test", action="store_true", help="quick run: tiny model, few steps")
+    p.add_argument("--nproc", type=int, default=1, help="spawn N local processes (no torchrun needed)")
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        flags = [f"--{f.name}"] + ALIASES.get(f.name, [])
+        p.add_argument(*flags, dest=f.name, type=_field_parser(hints[f.name]), default=None,
+                       metavar=f.name.upper(), help=f"(default: {f.default})")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> dict:
+    """Defaults < YAML < --test preset < explicit flags."""
+    cfg = config_from_yaml(args.config) if args.config else {}
+    if args.test:
+        cfg.update(TEST_PRESET)
+    if args.cpu:
+        cfg["device"] = "cpu"
+    for f in dataclasses.fields(TrainConfig):
+        value = getattr(args, f.name)
+        if value is not None:
+            cfg[f.name] = value
+    TrainConfig.from_dict(cfg)  # fail here, before any process starts
+    return cfg
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned_worker(rank: int, world_size: int, cfg: dict) -> None:
+    summary = DDPTrainer(rank=rank, world_size=world_size, config=cfg).train()
+    if summary["status"] == "interrupted":
+        sys.exit(rt.EXIT_PREEMPTED)
+
+
+def spawn_local(nproc: int, cfg: dict) -> int:
+    """Run `nproc` ranks on this machine with torch.multiprocessing, for users without torchrun."""
+    import torch.multiprocessing as mp
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(free_port())
+    try:
+        mp.start_processes(_spawned_worker, args=(nproc, cfg), nprocs=nproc, join=True, start_method="spawn")
+    except mp.ProcessExitedException as exc:
+        return exc.exit_code if exc.exit_code == rt.EXIT_PREEMPTED else 1
+    return 0
+
+
+def main(argv: Optional[list] = None) -> int:
+    args = build_arg_parser().parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    launch = rt.detect_launch_env()
+    if args.nproc > 1:
+        if launch["world_size"] > 1:
+            print("error: --nproc spawns its own processes; do not combine it with torchrun/srun",
+                  file=sys.stderr)
+            return 2
+        return spawn_local(args.nproc, cfg)
+    trainer = DDPTrainer(rank=launch["rank"], world_size=launch["world_size"],
+                         local_rank=launch["local_rank"], config=cfg)
+    summary = trainer.train()
+    return rt.EXIT_PREEMPTED if summary["status"] == "interrupted" else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
