@@ -399,6 +399,33 @@ def to_device(batch, device: torch.device, non_blocking: bool):
     return batch
 
 
+@torch.no_grad()
+def evaluate_model(model: nn.Module, loader, loss_fn: LossFn, device: torch.device,
+                   autocast=contextlib.nullcontext, non_blocking: bool = False) -> dict:
+    """Mean loss (and extras) over a sharded set: each rank runs its shard, sums and counts are
+    all-reduced, so the result equals one process evaluating the whole set. Pass the bare model:
+    a DDP forward here would make ranks with different shard lengths wait on each other."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    extras: dict = {}
+    for batch in loader:
+        batch = to_device(batch, device, non_blocking)
+        with autocast():
+            out = loss_fn(model, batch)
+        total[0] += out[0].double()
+        total[1] += torch.as_tensor(out[1], device=device).double()
+        for name, v in (out[2] if len(out) > 2 else {}).items():
+            extras[name] = extras.get(name, 0.0) + v.double()
+    model.train(was_training)
+    names = sorted(extras)
+    reduced = rt.all_reduce_tensor(torch.stack([total[0], total[1]] + [extras[n] for n in names])).tolist()
+    n = reduced[1]
+    if n == 0:
+        raise ValueError("evaluation set is empty")
+    return {"loss": reduced[0] / n, "count": n, **{k: v / n for k, v in zip(names, reduced[2:])}}
+
+
 class DDPTrainer:
     """Trains any model whose `loss_fn(model, batch)` returns `(loss_sum, count)` or
     `(loss_sum, count, {name: sum})`; the logged and optimised loss is the global mean
@@ -508,6 +535,7 @@ class DDPTrainer:
         self.consecutive_bad_steps = 0
         self.skipped_steps = 0
         self.last_val: Optional[float] = None
+        self.last_val_step = -1
         self.log.info("%d steps (%d per epoch), global batch %d = %d per rank x %d accum x %d ranks",
                       self.total_steps, self.steps_per_epoch,
                       cfg.batch_size * cfg.grad_accum_steps * env.world_size,
@@ -602,31 +630,10 @@ class DDPTrainer:
 
     # -- evaluation -------------------------------------------------------------
 
-    @torch.no_grad()
     def evaluate(self, loader=None) -> dict:
-        """Mean loss over the whole set: each rank its shard, sums and counts all-reduced."""
-        loader = loader or self.val_loader
-        model = self.raw_model  # no DDP forward: ranks may run different numbers of batches
-        was_training = model.training
-        model.eval()
-        total = torch.zeros(2, dtype=torch.float64, device=self.env.device)
-        extras: dict = {}
-        for batch in loader:
-            batch = to_device(batch, self.env.device, self.non_blocking)
-            with self._autocast():
-                out = self.loss_fn(model, batch)
-            total[0] += out[0].double()
-            total[1] += torch.as_tensor(out[1], device=self.env.device).double()
-            for name, v in (out[2] if len(out) > 2 else {}).items():
-                extras[name] = extras.get(name, 0.0) + v.double()
-        model.train(was_training)
-        names = sorted(extras)
-        reduced = rt.all_reduce_tensor(torch.stack([total[0], total[1]] + [extras[n] for n in names])
-                                       ).tolist()
-        n = reduced[1]
-        if n == 0:
-            raise ValueError("evaluation set is empty")
-        return {"loss": reduced[0] / n, "count": n, **{k: v / n for k, v in zip(names, reduced[2:])}}
+        """Mean loss over the whole set (the validation set by default), on all ranks."""
+        return evaluate_model(self.raw_model, loader or self.val_loader, self.loss_fn, self.env.device,
+                              self._autocast, self.non_blocking)
 
     # -- checkpoints and metrics ------------------------------------------------
 
@@ -657,8 +664,12 @@ class DDPTrainer:
         """Validate, save best, and return the (collective) decision to stop early."""
         if self.val_loader is None:
             return False
+        self.log.debug("[DDP] Rank %d: Entering validation at epoch %d, iter %d", self.env.rank, self.epoch,
+                       self.global_step)
         res = self.evaluate()
-        self.last_val = res["loss"]
+        self.log.debug("[DDP] Rank %d: Exiting validation at epoch %d, iter %d", self.env.rank, self.epoch,
+                       self.global_step)
+        self.last_val, self.last_val_step = res["loss"], self.global_step
         improved = res["loss"] < self.best_val - self.cfg.min_delta
         if res["loss"] < self.best_val:
             self.best_val = res["loss"]
@@ -713,7 +724,7 @@ class DDPTrainer:
         while True:
             self.train_loader.sampler.set_epoch(self.epoch)
             batches = iter(self.train_loader)
-            for _ in range(self.steps_per_epoch):
+            for i in range(self.steps_per_epoch):
                 micro = [next(batches) for _ in range(cfg.grad_accum_steps)]
                 step_t = time.time()
                 r = self._train_step(micro, stop_signal.received is not None)
@@ -737,32 +748,23 @@ class DDPTrainer:
                     self.save_checkpoint(f"step_{self.global_step}")
                 if cfg.val_interval and self.global_step % cfg.val_interval == 0 and self._validate():
                     return "early_stopped"
-                if self.global_step >= self.total_steps:
-                    if not cfg.val_interval or self.global_step % cfg.val_interval:
-                        if self._validate():
-                            return "early_stopped"
-                    return "completed"
-            self.epoch += 1
-            if not cfg.val_interval and self._validate():
-                return "early_stopped"
-            if cfg.save_interval and self.epoch % cfg.save_interval == 0:
-                self.save_checkpoint(f"epoch_{self.epoch}")
+                if self.global_step >= self.total_steps and i < self.steps_per_epoch - 1:
+                    break
+            else:  # a full epoch
+                self.epoch += 1
+                if not cfg.val_interval and self._validate():
+                    return "early_stopped"
+                if cfg.save_interval and self.epoch % cfg.save_interval == 0:
+                    self.save_checkpoint(f"epoch_{self.epoch}")
+            if self.global_step >= self.total_steps:
+                if self.last_val_step != self.global_step and self._validate():
+                    return "early_stopped"
+                return "completed"
 
     def _after_step(self, r: dict, step_time: float, global_batch: int) -> None:
         cfg = self.cfg
-        if r["skipped"]:
-            self.skipped_steps += 1
-        if r["nonfinite"]:
-            self.consecutive_bad_steps += 1
-            self.log.warning("non-finite loss or gradients at step %d on some rank: step skipped on all ranks "
-                             "(%d in a row)", self.global_step, self.consecutive_bad_steps)
-            if self.consecutive_bad_steps >= cfg.max_bad_steps:
-                self.save_checkpoint("interrupted")
-                raise FloatingPointError(f"{self.consecutive_bad_steps} consecutive non-finite steps "
-                                         f"(max_bad_steps={cfg.max_bad_steps}) at step {self.global_step}; "
-                                         f"last good weights saved to {self.checkpoint_path('interrupted')}")
-        else:
-            self.consecutive_bad_steps = 0
+        self.skipped_steps += r["skipped"]
+        self.consecutive_bad_steps = self.consecutive_bad_steps + 1 if r["nonfinite"] else 0
         record = {"type": "train", "step": self.global_step, "epoch": self.epoch, "loss": r["loss"],
                   **r["extras"], "lr": self.scheduler.get_last_lr()[0], "grad_norm": r["grad_norm"],
                   "samples_per_s": global_batch / step_time, f"{self.count_unit}_per_s": r["count"] / step_time,
@@ -771,6 +773,16 @@ class DDPTrainer:
         if mem:
             record.update(mem)
         self.write_metrics(record)
+        if not r["nonfinite"]:
+            return
+        self.log.warning("non-finite loss or gradients at step %d on some rank: step skipped on all ranks "
+                         "(%d in a row)", self.global_step, self.consecutive_bad_steps)
+        if self.consecutive_bad_steps >= cfg.max_bad_steps:
+            # Skipped steps left the weights untouched: these are the last good ones.
+            self.save_checkpoint("interrupted")
+            raise FloatingPointError(f"{self.consecutive_bad_steps} consecutive non-finite steps "
+                                     f"(max_bad_steps={cfg.max_bad_steps}) at step {self.global_step}; "
+                                     f"last good weights saved to {self.checkpoint_path('interrupted')}")
 
     def _write_preempted_marker(self) -> None:
         marker = Path(self.cfg.log_dir) / "PREEMPTED"
@@ -848,7 +860,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
         flags = [f"--{f.name}"] + ALIASES.get(f.name, [])
-        p.add_argument(*flags, dest=f.name, type=_field_parser(hints[f.name]), default=None,
+        p.add_argument(*flags, dest=f.name, type=_field_parser(hints[f.name]), default=argparse.SUPPRESS,
                        metavar=f.name.upper(), help=f"(default: {f.default})")
     return p
 
@@ -861,9 +873,8 @@ def config_from_args(args: argparse.Namespace) -> dict:
     if args.cpu:
         cfg["device"] = "cpu"
     for f in dataclasses.fields(TrainConfig):
-        value = getattr(args, f.name)
-        if value is not None:
-            cfg[f.name] = value
+        if hasattr(args, f.name):  # given on the command line (flags default to "absent")
+            cfg[f.name] = getattr(args, f.name)
     TrainConfig.from_dict(cfg)  # fail here, before any process starts
     return cfg
 

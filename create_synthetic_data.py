@@ -1,0 +1,276 @@
+"""
+Writes VJ2 .npz trajectory files whose dynamics are learnable and depend on the actions.
+
+The hidden world is a GUI screen: content scrolled by an offset (sx, sy) on a torus, a cursor (cx, cy) and a
+pressed flag. Between two latent steps one gesture happens (drag, tap or hover), recorded as A atomic
+[x, y, touch] events; while the finger stays down its motion drags the content along, and the cursor ends
+where the last event was. A fixed random "encoder" World(world_seed) turns a state into P x D tokens: Fourier
+features of the scrolled patch positions and a bump around the cursor, through a random tanh MLP, plus a little
+noise. The encoder depends on world_seed only, so train and val sets written with different --seed values
+share one encoder and differ only in their trajectories.
+
+    python create_synthetic_data.py --output_dir data/train --num_files 3 --trajectories_per_file 10
+    python create_synthetic_data.py --output_dir data/real --real_shapes --val_fraction 0.1 --compress
+"""
+
+import argparse
+import math
+import os
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+import config
+
+# state layout: scroll offset (torus), cursor position (screen), finger down after the last event
+STATE_NAMES = ("scroll_x", "scroll_y", "cursor_x", "cursor_y", "pressed")
+STATE_DIM = len(STATE_NAMES)
+# gesture mix per step: drags move the content, taps and hovers only move the cursor
+GESTURE_PROBS = {"drag": 0.5, "tap": 0.2, "hover": 0.3}
+# largest drag displacement per step, in screen units
+MAX_DRAG = 0.35
+# width of the cursor highlight, in screen units
+CURSOR_SIGMA = 0.15
+# (kx, ky) frequencies of the content pattern
+CONTENT_FREQS = np.array([[1, 0], [0, 1], [1, 1], [1, -1], [2, 0], [0, 2]], dtype=np.float64)
+# float32 elements of one embedding chunk in flight (64 MiB); bounds memory for the real geometry
+CHUNK_ELEMENTS = 1 << 24
+SPLITS = ("train", "val")
+
+# -----------------------------------------------------------------------------------------------------------------
+# the encoder
+
+
+def patch_positions(patches):
+    """Screen positions [P, 2] of the patch centres, on the most square h x w grid with h * w == P."""
+    w = max(d for d in range(1, math.isqrt(patches) + 1) if patches % d == 0)
+    h = patches // w
+    rows, cols = np.divmod(np.arange(patches), w)
+    return np.stack([(cols + 0.5) / w, (rows + 0.5) / h], axis=1)
+
+
+class World:
+    """The fixed synthetic encoder: states [..., STATE_DIM] -> tokens [..., P, D] (float32, no noise)."""
+
+    def __init__(self, patches, embed_dim, world_seed=config.WORLD_SEED, hidden=64):
+        rng = np.random.default_rng(world_seed)
+        self.pos = patch_positions(patches)
+        num_features = self.features(np.zeros(STATE_DIM)).shape[-1]
+        # gain > 1 keeps tanh in its curved range, so tokens are a genuinely nonlinear function of the state
+        self.w1 = (rng.standard_normal((num_features, hidden)) * 1.5 / math.sqrt(num_features)).astype(np.float32)
+        self.b1 = (rng.standard_normal(hidden) * 0.5).astype(np.float32)
+        self.w2 = (rng.standard_normal((hidden, embed_dim)) / math.sqrt(hidden) * 2.0).astype(np.float32)
+
+    def features(self, states):
+        s = np.asarray(states, dtype=np.float64)[..., None, :]
+        content = self.pos + s[..., 0:2]
+        phase = 2 * np.pi * content @ CONTENT_FREQS.T
+        delta = (self.pos - s[..., 2:4]) / CURSOR_SIGMA
+        bump = np.exp(-0.5 * (delta ** 2).sum(-1, keepdims=True))
+        pressed = np.broadcast_to(s[..., 4:5], bump.shape)
+        # real ViT tokens carry their patch position (position embeddings), so these do too
+        where = np.concatenate([np.sin(2 * np.pi * self.pos), np.cos(2 * np.pi * self.pos)], -1)
+        where = np.broadcast_to(where, bump.shape[:-1] + where.shape[-1:])
+        parts = [np.sin(phase), np.cos(phase), 2 * bump, 2 * bump * delta, 2 * bump * pressed, pressed, where]
+        return np.concatenate(parts, axis=-1).astype(np.float32)
+
+    def embed(self, states):
+        return np.tanh(self.features(states) @ self.w1 + self.b1) @ self.w2
+
+# -----------------------------------------------------------------------------------------------------------------
+# the dynamics
+
+
+def sample_gestures(rng, cursor, actions_per_step):
+    """One gesture per row, starting at `cursor` [n, 2]; returns xy [n, A, 2] and touch [n, A] in {0, 1}."""
+    n, A = len(cursor), actions_per_step
+    kind = rng.choice(len(GESTURE_PROBS), size=n, p=list(GESTURE_PROBS.values()))
+    drag, tap = kind == 0, kind == 1
+    start = rng.uniform(0.1, 0.9, size=(n, 2))
+    end = np.where(drag[:, None], np.clip(start + rng.uniform(-MAX_DRAG, MAX_DRAG, (n, 2)), 0, 1), start)
+    # drags press early and release late (sometimes not at all: the finger is still down at the next step)
+    down = np.where(drag, rng.integers(0, A // 4 + 1, n), np.where(tap, rng.integers(0, A, n), A))
+    up = np.where(drag, A - rng.integers(0, A // 4 + 1, n), np.minimum(down + 1 + A // 10, A))
+    i = np.arange(A)[None, :]
+    # before `down` the finger glides from the cursor to `start`, while down it moves from `start` to `end`
+    approach = (i + 1) / np.maximum(down, 1)[:, None]
+    stroke = (i - down[:, None]) / np.maximum(up - down - 1, 1)[:, None]
+    frac = np.where(i < down[:, None], approach, np.clip(stroke, 0, 1))[..., None]
+    xy = np.where((i < down[:, None])[..., None],
+                  cursor[:, None] + (start - cursor)[:, None] * frac,
+                  start[:, None] + (end - start)[:, None] * frac)
+    touch = (i >= down[:, None]) & (i < up[:, None])
+    return xy, touch.astype(np.float64)
+
+
+def step_state(state, actions):
+    """Next states [n, STATE_DIM] from states [n, STATE_DIM] and the step's actions [n, A, C] (as stored)."""
+    xy = np.concatenate([state[:, None, 2:4], actions[:, :, 0:2].astype(np.float64)], axis=1)
+    touch = np.concatenate([state[:, None, 4], actions[:, :, 2].astype(np.float64)], axis=1) > 0.5
+    # the content follows the finger over every move made while it stayed down
+    held = (touch[:, 1:] & touch[:, :-1])[..., None]
+    scroll = (state[:, 0:2] + (np.diff(xy, axis=1) * held).sum(1)) % 1.0
+    return np.concatenate([scroll, xy[:, -1], touch[:, -1:].astype(np.float64)], axis=1)
+
+
+def simulate(rng, n, steps, actions_per_step, channels=config.ACTION_CHANNELS):
+    """Roll n trajectories: states [n, steps, STATE_DIM] (float64), actions [n, steps-1, A, C] (float32)."""
+    states = np.zeros((n, steps, STATE_DIM))
+    actions = np.zeros((n, steps - 1, actions_per_step, channels), dtype=np.float32)
+    states[:, 0, :4] = rng.random((n, 4))
+    for t in range(steps - 1):
+        xy, touch = sample_gestures(rng, states[:, t, 2:4], actions_per_step)
+        actions[:, t, :, 0:2] = xy
+        actions[:, t, :, 2] = touch
+        # the dynamics read the stored float32 actions, so the file is exactly consistent with its states
+        states[:, t + 1] = step_state(states[:, t], actions[:, t])
+    return states, actions
+
+# -----------------------------------------------------------------------------------------------------------------
+# writing
+
+
+def file_rng(seed, split, index):
+    """The generator of one file; train and val never share a stream, whatever the seed."""
+    return np.random.default_rng([seed, SPLITS.index(split), index])
+
+
+def embedding_chunks(world, states, rng, noise, dtype):
+    """Yields the embeddings of `states` a few trajectories at a time, so memory stays bounded."""
+    n, steps = states.shape[:2]
+    hidden, embed_dim = world.w2.shape
+    rows = max(1, CHUNK_ELEMENTS // (steps * len(world.pos) * max(embed_dim, hidden)))
+    for i in range(0, n, rows):
+        emb = world.embed(states[i:i + rows])
+        if noise > 0:
+            emb += noise * rng.standard_normal(emb.shape, dtype=np.float32)
+        yield emb.astype(dtype)
+
+
+def write_npy_member(zf, key, shape, dtype, chunks):
+    """Streams one array into the zip as `key`.npy, laid out exactly as np.savez would write it."""
+    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": shape}
+    with zf.open(key + ".npy", "w", force_zip64=True) as fp:
+        np.lib.format.write_array_header_1_0(fp, header)
+        for chunk in chunks:
+            fp.write(np.ascontiguousarray(chunk, dtype=dtype).tobytes())
+
+
+def write_file(path, world, rng, n, steps, actions_per_step, channels, dtype, compress, noise, save_states):
+    states, actions = simulate(rng, n, steps, actions_per_step, channels)
+    emb_shape = (n, steps, len(world.pos), world.w2.shape[1])
+    # a crash mid-write leaves a .tmp behind, never a half-written .npz that the loader would pick up
+    tmp = path.with_name(path.name + ".tmp")
+    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED) as zf:
+        write_npy_member(zf, "embeddings", emb_shape, dtype, embedding_chunks(world, states, rng, noise, dtype))
+        write_npy_member(zf, "actions", actions.shape, np.float32, [actions])
+        if save_states:
+            write_npy_member(zf, "states", states.shape, np.float32, [states])
+    os.replace(tmp, path)
+    return emb_shape, actions.shape
+
+
+def check_geometry(steps, patches, embed_dim, actions_per_step, channels):
+    if steps < 2:
+        raise ValueError(f"num_steps must be >= 2 (actions live between steps), got {steps}")
+    if channels < 3:
+        raise ValueError(f"action_channels must be >= 3 for [x, y, touch], got {channels}")
+    if min(patches, embed_dim, actions_per_step) < 1:
+        raise ValueError(f"patches, embed_dim and actions_per_step must be >= 1, "
+                         f"got {patches}, {embed_dim}, {actions_per_step}")
+
+
+def generate(output_dir, num_files=3, trajectories_per_file=10, seed=0,
+             steps=config.SMALL_NUM_STEPS, patches=config.SMALL_PATCHES_PER_STEP,
+             embed_dim=config.SMALL_EMBED_DIM, actions_per_step=config.SMALL_ACTIONS_PER_STEP,
+             channels=config.SMALL_ACTION_CHANNELS, dtype="float16", compress=False,
+             noise=config.SYNTHETIC_NOISE, world_seed=config.WORLD_SEED, split="train",
+             save_states=False, verbose=False):
+    """
+    Writes `num_files` files `<split>_NNNNN.npz` into output_dir and returns their paths.
+    Keys: embeddings [N, T, P, D] in `dtype`, actions [N, T-1, A, C] float32 in [0, 1], and with save_states
+    also states [N, T, STATE_DIM] float32 (the hidden state, for probing; the loader ignores it).
+    Extra action channels beyond [x, y, touch] are zero.
+    """
+    check_geometry(steps, patches, embed_dim, actions_per_step, channels)
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    world = World(patches, embed_dim, world_seed)
+    paths = []
+    for index in range(num_files):
+        path = output_dir / f"{split}_{index:05d}.npz"
+        shapes = write_file(path, world, file_rng(seed, split, index), trajectories_per_file, steps,
+                            actions_per_step, channels, np.dtype(dtype), compress, noise, save_states)
+        paths.append(path)
+        if verbose:
+            print(f"wrote {path}: embeddings {shapes[0]} {dtype}, actions {shapes[1]} float32, "
+                  f"{path.stat().st_size:,} bytes")
+    if verbose:
+        total = sum(p.stat().st_size for p in paths)
+        print(f"{split}: {len(paths)} files, {num_files * trajectories_per_file} trajectories, "
+              f"{total:,} bytes in {output_dir}")
+    return paths
+
+
+def val_split(num_files, trajectories_per_file, val_fraction):
+    """(files, trajectories per file) of a validation set holding about val_fraction of the training set."""
+    total = max(1, round(val_fraction * num_files * trajectories_per_file))
+    files = math.ceil(total / trajectories_per_file)
+    return files, math.ceil(total / files)
+
+# -----------------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
+    p.add_argument("--output_dir", required=True, help="directory for the training files")
+    p.add_argument("--num_files", type=int, default=3)
+    p.add_argument("--trajectories_per_file", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0, help="seeds the trajectories (not the encoder)")
+    p.add_argument("--world_seed", type=int, default=config.WORLD_SEED,
+                   help="seeds the state -> token encoder; keep it equal for train and val")
+    p.add_argument("--num_steps", type=int, help=f"T (default {config.SMALL_NUM_STEPS})")
+    p.add_argument("--patches", type=int, help=f"P (default {config.SMALL_PATCHES_PER_STEP})")
+    p.add_argument("--embed_dim", type=int, help=f"D (default {config.SMALL_EMBED_DIM})")
+    p.add_argument("--actions_per_step", type=int, help=f"A (default {config.SMALL_ACTIONS_PER_STEP})")
+    p.add_argument("--action_channels", type=int, help=f"C (default {config.SMALL_ACTION_CHANNELS})")
+    p.add_argument("--real_shapes", action="store_true",
+                   help=f"real geometry T={config.NUM_STEPS} P={config.PATCHES_PER_STEP} D={config.EMBED_DIM} "
+                        f"A={config.ACTIONS_PER_STEP} C={config.ACTION_CHANNELS} (explicit flags still win)")
+    p.add_argument("--dtype", choices=["float16", "float32"], default="float16", help="dtype of embeddings")
+    p.add_argument("--compress", action="store_true", help="np.savez_compressed layout (deflate)")
+    p.add_argument("--noise", type=float, default=config.SYNTHETIC_NOISE, help="std of token noise")
+    p.add_argument("--save_states", action="store_true", help="also store the hidden states (key 'states')")
+    p.add_argument("--val_fraction", type=float, default=0.0,
+                   help="also write a validation set of this size relative to the training set")
+    p.add_argument("--val_output_dir", help="where the validation set goes (default <output_dir>_val)")
+    return p.parse_args(argv)
+
+
+def resolve_geometry(args):
+    real = (config.NUM_STEPS, config.PATCHES_PER_STEP, config.EMBED_DIM, config.ACTIONS_PER_STEP,
+            config.ACTION_CHANNELS)
+    small = (config.SMALL_NUM_STEPS, config.SMALL_PATCHES_PER_STEP, config.SMALL_EMBED_DIM,
+             config.SMALL_ACTIONS_PER_STEP, config.SMALL_ACTION_CHANNELS)
+    given = (args.num_steps, args.patches, args.embed_dim, args.actions_per_step, args.action_channels)
+    defaults = real if args.real_shapes else small
+    keys = ("steps", "patches", "embed_dim", "actions_per_step", "channels")
+    return {k: d if g is None else g for k, g, d in zip(keys, given, defaults)}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    geometry = resolve_geometry(args)
+    common = dict(seed=args.seed, dtype=args.dtype, compress=args.compress, noise=args.noise,
+                  world_seed=args.world_seed, save_states=args.save_states, verbose=True, **geometry)
+    generate(args.output_dir, args.num_files, args.trajectories_per_file, split="train", **common)
+    if args.val_fraction > 0:
+        out = Path(args.output_dir)
+        val_dir = args.val_output_dir or out.with_name(out.name + "_val")
+        files, per_file = val_split(args.num_files, args.trajectories_per_file, args.val_fraction)
+        generate(val_dir, files, per_file, split="val", **common)
+
+
+if __name__ == "__main__":
+    main()

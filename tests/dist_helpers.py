@@ -1,0 +1,48 @@
+"""Run a function on N real gloo processes (spawned, free port, bounded timeout)."""
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world_size, port, queue, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        os.environ.pop(var, None)
+    try:
+        queue.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException as exc:  # reported to the parent, which fails the test
+        queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def spawn(fn, world_size: int = 2, *args, timeout: float = 90.0) -> list:
+    """Results of fn(rank, world_size, *args) per rank; raises if any rank fails or hangs."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, queue, args)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in range(world_size):
+            rank, status, value = queue.get(timeout=timeout)
+            results[rank] = (status, value)
+    except Exception as exc:
+        raise TimeoutError(f"ranks did not all report within {timeout}s; got {sorted(results)}") from exc
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    errors = {r: v for r, (s, v) in results.items() if s == "error"}
+    if errors:
+        raise RuntimeError("\n".join(f"rank {r}: {v}" for r, v in sorted(errors.items())))
+    return [results[r][1] for r in range(world_size)]

@@ -1,0 +1,328 @@
+"""End-to-end training: the Python API, torchrun, --nproc, the launcher, real text data,
+signals, and the CLI's errors. Every run takes real optimizer steps and checks that the
+validation loss falls toward the known floor of the synthetic Markov source.
+
+Also runs as a script:  python tests/test_training.py [--skip-multi] [--keep-data]
+"""
+
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from conftest import REPO, clean_env, run, torchrun
+
+import ddp_runtime as rt
+from ddp_training import CausalLM, DDPTrainer, TrainConfig, build_arg_parser, config_from_args
+
+# The quick configuration used everywhere here (the same as the scripts' --test preset).
+QUICK = dict(hidden_size=32, num_layers=2, num_heads=2, seq_len=32, dataset_size=1024, batch_size=16,
+             max_steps=60, learning_rate=1e-2, warmup_steps=5, log_interval=10, val_interval=20, device="cpu")
+# Validation loss must close at least 65% of the gap between the untrained loss (ln vocab)
+# and the Markov chain's entropy rate.
+MAX_GAP_FRACTION = 0.35
+
+
+def gap_fraction(val_loss: float, floor: float, vocab: int = 64) -> float:
+    return (val_loss - floor) / (math.log(vocab) - floor)
+
+
+def read_metrics(log_dir: Path) -> list:
+    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def summary_of(log_dir: Path) -> dict:
+    return [r for r in read_metrics(log_dir) if r["type"] == "summary"][-1]
+
+
+def dirs(tmp_path) -> dict:
+    return dict(log_dir=str(tmp_path / "logs"), checkpoint_dir=str(tmp_path / "ckpt"))
+
+
+# -- the Python API, one process, no distributed environment ----------------------------
+
+def test_api_single_process_trains_toward_the_floor(tmp_path, no_launch_env):
+    summary = DDPTrainer(rank=0, world_size=1, config={**QUICK, **dirs(tmp_path)}).train()
+    assert summary["status"] == "completed" and summary["steps"] == 60 and summary["world_size"] == 1
+    assert gap_fraction(summary["final_val_loss"], summary["loss_floor"]) < MAX_GAP_FRACTION
+    assert summary["test_loss"] < math.log(64) - 1.0
+
+    records = read_metrics(tmp_path / "logs")
+    train = [r for r in records if r["type"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, 61))
+    assert {"loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s"} <= set(train[0])
+    assert train[-1]["loss"] < 0.6 * train[0]["loss"]
+    assert [r["step"] for r in records if r["type"] == "val"] == [20, 40, 60]
+    assert any("cpu_rss_gb" in r for r in train) and records[-1]["type"] == "summary"
+
+    ckpt = torch.load(tmp_path / "ckpt" / "model_final.pt", weights_only=True)
+    assert set(ckpt) == {"model", "global_step", "val_loss", "model_config"}
+    assert ckpt["global_step"] == 60 and not any(k.startswith("module.") for k in ckpt["model"])
+    model = CausalLM(**ckpt["model_config"])
+    model.load_state_dict(ckpt["model"])
+    # The saved weights reproduce the reported validation loss.
+    t = DDPTrainer(config={**QUICK, **dirs(tmp_path / "again")}, model=model,
+                   train_dataset=_markov(QUICK).train, val_dataset=_markov(QUICK).val)
+    assert abs(t.evaluate()["loss"] - summary["final_val_loss"]) < 1e-5
+    rt.teardown_distributed()
+
+
+def _markov(cfg):
+    from ddp_training import synthetic_lm_data
+    return synthetic_lm_data(TrainConfig.from_dict(cfg))
+
+
+def test_checkpoint_cadence_and_names(tmp_path, no_launch_env):
+    cfg = {**QUICK, **dirs(tmp_path), "max_steps": 0, "num_epochs": 2, "dataset_size": 256,
+           "save_every_iters": 6, "val_interval": 0, "checkpoint_prefix": "lm"}
+    DDPTrainer(config=cfg).train()  # 256 / 16 = 16 steps per epoch
+    names = sorted(p.name for p in (tmp_path / "ckpt").glob("*.pt"))
+    assert names == sorted(["lm_best.pt", "lm_epoch_1.pt", "lm_epoch_2.pt", "lm_final.pt",
+                            "lm_step_6.pt", "lm_step_12.pt", "lm_step_18.pt", "lm_step_24.pt",
+                            "lm_step_30.pt"])
+    assert torch.load(tmp_path / "ckpt" / "lm_step_12.pt", weights_only=True)["global_step"] == 12
+    assert not list((tmp_path / "ckpt").glob("*.tmp"))
+
+
+def test_target_loss_and_patience_stop_early(tmp_path, no_launch_env):
+    s = DDPTrainer(config={**QUICK, **dirs(tmp_path), "max_steps": 200, "val_interval": 10,
+                           "target_loss": 2.5}).train()
+    assert s["status"] == "early_stopped" and s["steps"] < 200 and s["final_val_loss"] <= 2.5
+    s = DDPTrainer(config={**QUICK, **dirs(tmp_path / "p"), "max_steps": 200, "val_interval": 5,
+                           "learning_rate": 1e-9, "warmup_steps": 0, "patience": 2, "min_delta": 0.1}).train()
+    assert s["status"] == "early_stopped" and s["steps"] == 15  # validations at 5, 10, 15: none improves by 0.1
+
+
+def test_gradient_accumulation_and_sample_normalisation_train(tmp_path, no_launch_env):
+    s = DDPTrainer(config={**QUICK, **dirs(tmp_path), "batch_size": 8, "grad_accum_steps": 2,
+                           "loss_normalization": "sample"}).train()
+    assert gap_fraction(s["final_val_loss"], s["loss_floor"]) < MAX_GAP_FRACTION
+
+
+def test_nonfinite_loss_skips_the_step_and_gives_up_after_max_bad_steps(tmp_path, no_launch_env):
+    from ddp_training import lm_loss
+    data = _markov(QUICK)
+    calls = {"n": 0}
+
+    def poisoned(model, batch):
+        calls["n"] += 1
+        s, c = lm_loss(model, batch)
+        return (s * float("nan"), c) if calls["n"] in (3, 4) or calls["n"] > 10 else (s, c)
+
+    model = CausalLM(64, 32, 2, 2, 32)
+    t = DDPTrainer(config={**QUICK, **dirs(tmp_path), "max_bad_steps": 3}, model=model,
+                   train_dataset=data.train, val_dataset=data.val, loss_fn=poisoned)
+    with pytest.raises(FloatingPointError, match="3 consecutive non-finite steps"):
+        t.train()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    train = [r for r in read_metrics(tmp_path / "logs") if r["type"] == "train"]
+    assert [r["step"] for r in train if r["skipped"]] == [3, 4, 11, 12, 13]
+    saved = torch.load(tmp_path / "ckpt" / "model_interrupted.pt", weights_only=True)
+    assert saved["global_step"] == 13 and all(torch.isfinite(v).all() for v in saved["model"].values())
+
+
+# -- configuration and CLI errors ---------------------------------------------------
+
+def test_unknown_config_key_names_the_key(tmp_path):
+    with pytest.raises(ValueError, match="unknown config key 'batchsize'"):
+        DDPTrainer(config={"batchsize": 4})
+    with pytest.raises(ValueError, match="'lr_schedule' must be one of"):
+        TrainConfig.from_dict({"lr_schedule": "linear"})
+
+
+def test_cli_precedence_defaults_yaml_flags(tmp_path):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("batch_size: 8\nlearning_rate: 0.002\nuse_amp: false\n")
+    args = build_arg_parser().parse_args(["--config", str(cfg_file), "--batch-size", "12", "--cpu", "--test"])
+    cfg = config_from_args(args)
+    assert cfg["batch_size"] == 12 and cfg["use_amp"] is False and cfg["device"] == "cpu"
+    assert cfg["learning_rate"] == 1e-2  # the --test preset sits above YAML, below flags
+    args = build_arg_parser().parse_args(["--config", str(cfg_file), "--lr", "0.5", "--target_loss", "none"])
+    cfg = config_from_args(args)
+    assert cfg["learning_rate"] == 0.5 and cfg["target_loss"] is None and cfg["batch_size"] == 8
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--no_such_flag", "1"], "unrecognized arguments: --no_such_flag"),
+    (["--batch_size", "abc"], "argument --batch_size/--batch-size: invalid"),
+    (["--use_amp", "maybe"], "expected true/false"),
+    (["--config", "{yaml}"], "unknown config key 'bogus_key'"),
+    (["--lr_schedule", "linear"], "'lr_schedule' must be one of"),
+])
+def test_cli_bad_input_exits_2_with_a_clear_message(tmp_path, argv, message):
+    (tmp_path / "bad.yaml").write_text("bogus_key: 1\n")
+    argv = [a.replace("{yaml}", str(tmp_path / "bad.yaml")) for a in argv]
+    r = run([sys.executable, REPO / "ddp_training.py", *argv], cwd=tmp_path, timeout=60)
+    assert r.returncode == 2 and message in r.stdout, r.stdout
+
+
+# -- real processes ----------------------------------------------------------------------
+
+def check_two_rank_run(tmp_path, r):
+    assert r.returncode == 0, r.stdout[-5000:]
+    logs = tmp_path / "logs"
+    for rank in (0, 1):
+        text = (logs / f"rank_{rank}.log").read_text()
+        assert f"[RANK {rank}]" in text and f"rank {rank}/2" in text
+    s = summary_of(logs)
+    assert s["world_size"] == 2 and s["steps"] == 60
+    assert gap_fraction(s["final_val_loss"], s["loss_floor"]) < MAX_GAP_FRACTION
+    ckpt = torch.load(tmp_path / "ckpt" / "model_final.pt", weights_only=True)
+    assert ckpt["global_step"] == 60 and not any(k.startswith("module.") for k in ckpt["model"])
+
+
+@pytest.mark.multi
+def test_torchrun_two_ranks(tmp_path):
+    r = run(torchrun(2, "ddp_training.py", "--cpu", "--test", "--log_dir", "logs", "--checkpoint_dir", "ckpt"),
+            cwd=tmp_path, timeout=180)
+    check_two_rank_run(tmp_path, r)
+
+
+@pytest.mark.multi
+def test_nproc_spawns_two_ranks_without_torchrun(tmp_path):
+    r = run([sys.executable, REPO / "ddp_training.py", "--cpu", "--test", "--nproc", "2",
+             "--log_dir", "logs", "--checkpoint_dir", "ckpt"], cwd=tmp_path, timeout=180)
+    check_two_rank_run(tmp_path, r)
+
+
+@pytest.mark.multi
+def test_launcher_cpu_test_end_to_end(tmp_path):
+    env = clean_env(PYTHON=sys.executable, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    t0 = time.time()
+    r = run(["bash", REPO / "launch_training.sh", "--cpu", "--test", "--script", REPO / "ddp_training.py",
+             "-l", "logs", "-c", "ckpt"], cwd=tmp_path, timeout=120, env=env)
+    assert time.time() - t0 < 120
+    check_two_rank_run(tmp_path, r)
+    assert "--nproc_per_node 2" in r.stdout
+
+
+def test_launcher_syntax_help_and_errors(tmp_path):
+    assert subprocess.run(["bash", "-n", REPO / "launch_training.sh"]).returncode == 0
+    env = clean_env(PATH="/usr/bin:/bin")  # no nvidia-smi: zero GPUs
+    launcher = ["bash", REPO / "launch_training.sh"]
+    r = run(launcher + ["--help"], cwd=tmp_path, env=env)
+    assert r.returncode == 0 and "--max-restarts" in r.stdout
+    for argv, message in [(["--bogus"], "unknown option '--bogus'"),
+                          (["--gpus", "99"], "GPU 99 does not exist"),
+                          (["--gpus", "x,0"], "'x' is not a GPU id"),
+                          (["--cpu", "--nproc", "two"], "--nproc expects a non-negative integer"),
+                          (["--cpu", "-b"], "option -b needs a value"),
+                          (["--script", "missing.py"], "--script 'missing.py' does not exist"),
+                          (["--nnodes", "2"], "needs --master-addr")]:
+        r = run(launcher + argv, cwd=REPO, env=env)
+        assert r.returncode == 2 and message in r.stdout, (argv, r.stdout)
+
+
+def _worker_pids(agent: subprocess.Popen) -> dict:
+    """rank -> pid of the workers torchrun started."""
+    out = {}
+    for child in psutil.Process(agent.pid).children(recursive=True):
+        try:
+            env = child.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if "RANK" in env and "TORCHELASTIC_RUN_ID" in env:
+            out[int(env["RANK"])] = child.pid
+    return out
+
+
+@pytest.mark.multi
+def test_sigterm_on_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
+    cmd = torchrun(2, "ddp_training.py", "--cpu", "--test", "--max_steps", "100000", "--val_interval", "0",
+                   "--log_dir", "logs", "--checkpoint_dir", "ckpt")
+    agent = subprocess.Popen(cmd, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 90
+        metrics = tmp_path / "logs" / "metrics.jsonl"
+        while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 5):
+            time.sleep(0.2)
+        pids = _worker_pids(agent)
+        assert set(pids) == {0, 1}, "workers not found"
+        os.kill(pids[1], signal.SIGTERM)  # only rank 1 sees the signal
+        out, _ = agent.communicate(timeout=60)
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+    marker = json.loads((tmp_path / "logs" / "PREEMPTED").read_text())
+    saved = torch.load(tmp_path / "ckpt" / "model_interrupted.pt", weights_only=True)
+    assert saved["global_step"] == marker["step"] > 5
+    for rank in (0, 1):
+        text = (tmp_path / "logs" / f"rank_{rank}.log").read_text()
+        assert f"saving and exiting at step {marker['step']}" in text
+    assert f"exitcode  : {rt.EXIT_PREEMPTED}" in out or f"exit code {rt.EXIT_PREEMPTED}" in out or \
+        str(rt.EXIT_PREEMPTED) in out
+
+
+# -- a real corpus ----------------------------------------------------------------------------
+
+def write_text_corpus(path: Path, n_bytes: int = 300_000, seed: int = 0) -> None:
+    """English-like text: sentences over a small vocabulary, so bytes are predictable from context."""
+    rng = random.Random(seed)
+    words = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge "
+             "every boxing match in distant northern towns before dinner").split()
+    parts, size = [], 0
+    while size < n_bytes:
+        sentence = " ".join(rng.choice(words) for _ in range(rng.randint(4, 12))).capitalize() + ". "
+        parts.append(sentence)
+        size += len(sentence)
+    path.write_text("".join(parts))
+
+
+def test_real_text_file_beats_its_unigram_entropy(tmp_path, no_launch_env):
+    corpus = tmp_path / "corpus.txt"
+    write_text_corpus(corpus)
+    s = DDPTrainer(config={**QUICK, **dirs(tmp_path), "data": str(corpus), "seq_len": 64, "hidden_size": 64,
+                           "num_heads": 4, "max_steps": 200, "val_interval": 100, "learning_rate": 3e-3,
+                           "warmup_steps": 10}).train()
+    assert s["unigram_entropy"] > 2.0
+    # "Well below": at most 60% of the unigram entropy after 200 steps.
+    assert s["final_val_loss"] < 0.6 * s["unigram_entropy"], s
+
+
+def test_bad_data_file_is_a_clear_error(tmp_path, no_launch_env):
+    import numpy as np
+    np.save(tmp_path / "floats.npy", np.zeros(100, dtype=np.float32))
+    with pytest.raises(ValueError, match="floats.npy: expected a 1-D integer array"):
+        DDPTrainer(config={**QUICK, **dirs(tmp_path), "data": str(tmp_path / "floats.npy")})
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        DDPTrainer(config={**QUICK, **dirs(tmp_path), "data": str(tmp_path / "missing.txt")})
+
+
+def test_npy_token_file_is_memory_mapped_and_trains(tmp_path, no_launch_env):
+    import numpy as np
+    corpus = tmp_path / "c.txt"
+    write_text_corpus(corpus, 100_000)
+    np.save(tmp_path / "tokens.npy", np.frombuffer(corpus.read_bytes(), dtype=np.uint8).astype(np.int32))
+    t = DDPTrainer(config={**QUICK, **dirs(tmp_path), "data": str(tmp_path / "tokens.npy"), "max_steps": 30})
+    assert isinstance(t.train_loader.dataset.tokens, np.memmap)
+    assert t.raw_model.config["vocab_size"] == max(64, int(np.frombuffer(corpus.read_bytes(), np.uint8).max()) + 1)
+    s = t.train()
+    assert s["final_val_loss"] < s["unigram_entropy"]
+
+
+if __name__ == "__main__":
+    import argparse
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--skip-multi", action="store_true", help="skip tests that start several processes")
+    parser.add_argument("--keep-data", action="store_true",
+                        help="keep the generated data and run directories (printed at the end)")
+    opts, rest = parser.parse_known_args()
+    pytest_args = [__file__, "-q", "-p", "no:cacheprovider"] + rest
+    if opts.skip_multi:
+        pytest_args += ["-m", "not multi"]
+    if opts.keep_data:
+        pytest_args += ["--basetemp", str(Path("test_training_data").resolve())]
+    code = pytest.main(pytest_args)
+    if opts.keep_data:
+        print(f"data and run directories kept under {Path('test_training_data').resolve()}")
+    sys.exit(code)

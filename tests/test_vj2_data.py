@@ -1,0 +1,329 @@
+"""Tests of the VJ2 data path: synthetic generator, file validation and the trajectory dataset."""
+
+import io
+import logging
+import pickle
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import config  # noqa: E402
+import create_synthetic_data as gen  # noqa: E402
+from vj2_dataloader import DataFileError, VJ2TrajectoryDataset, validate_npz  # noqa: E402
+import vj2_dataloader  # noqa: E402
+
+SMALL = dict(steps=4, patches=16, embed_dim=32, actions_per_step=10, channels=3)
+
+
+def load(path):
+    with np.load(path, allow_pickle=False) as npz:
+        return {k: npz[k] for k in npz.files}
+
+# -----------------------------------------------------------------------------------------------------------------
+# generator
+
+
+def test_generator_writes_valid_files_of_the_requested_geometry(tmp_path):
+    paths = gen.generate(tmp_path, num_files=2, trajectories_per_file=5, seed=3, **SMALL)
+    assert [p.name for p in paths] == ["train_00000.npz", "train_00001.npz"]
+    for path in paths:
+        info = validate_npz(path)
+        assert (info.n, *info.geometry) == (5, 4, 16, 32, 10, 3)
+        data = load(path)
+        assert data["embeddings"].shape == (5, 4, 16, 32) and data["embeddings"].dtype == np.float16
+        assert data["actions"].shape == (5, 3, 10, 3) and data["actions"].dtype == np.float32
+        assert data["actions"].min() >= 0 and data["actions"].max() <= 1
+        assert set(np.unique(data["actions"][..., 2])) <= {0.0, 1.0}
+    a, b = (load(p)["actions"] for p in paths)
+    assert not np.array_equal(a, b)
+
+
+def test_generator_float32_and_compressed(tmp_path):
+    (path,) = gen.generate(tmp_path, num_files=1, trajectories_per_file=3, dtype="float32", compress=True)
+    with zipfile.ZipFile(path) as zf:
+        assert {i.compress_type for i in zf.infolist()} == {zipfile.ZIP_DEFLATED}
+    assert validate_npz(path).dtypes == {"embeddings": "float32", "actions": "float32"}
+
+
+def test_cli_real_shapes_and_validation_set(tmp_path, capsys):
+    out = tmp_path / "real"
+    gen.main(["--output_dir", str(out), "--real_shapes", "--num_files", "1", "--trajectories_per_file", "1",
+              "--val_fraction", "1"])
+    printed = capsys.readouterr().out
+    assert "train_00000.npz" in printed and "(1, 8, 256, 1024)" in printed and "bytes" in printed
+    for path in (out / "train_00000.npz", tmp_path / "real_val" / "val_00000.npz"):
+        data = load(path)
+        assert data["embeddings"].shape == (1, config.NUM_STEPS, config.PATCHES_PER_STEP, config.EMBED_DIM)
+        assert data["actions"].shape == (1, config.NUM_STEPS - 1, config.ACTIONS_PER_STEP, config.ACTION_CHANNELS)
+        assert data["embeddings"].dtype == np.float16
+        validate_npz(path)
+
+
+def test_world_seed_fixes_the_encoder_and_seed_only_the_trajectories(tmp_path):
+    common = dict(num_files=1, trajectories_per_file=8, dtype="float32", noise=0.0, save_states=True, **SMALL)
+    (a,) = gen.generate(tmp_path / "a", seed=0, **common)
+    (b,) = gen.generate(tmp_path / "b", seed=1, **common)
+    a, b = load(a), load(b)
+    assert not np.allclose(a["states"], b["states"]) and not np.allclose(a["embeddings"], b["embeddings"])
+    # both files are the one fixed encoder applied to their own states
+    world = gen.World(SMALL["patches"], SMALL["embed_dim"])
+    for data in (a, b):
+        np.testing.assert_allclose(world.embed(data["states"]), data["embeddings"], atol=1e-4)
+    other = gen.World(SMALL["patches"], SMALL["embed_dim"], world_seed=config.WORLD_SEED + 1)
+    assert not np.allclose(other.embed(a["states"]), a["embeddings"], atol=1e-2)
+
+
+def ridge_error(x_train, y_train, x_test, y_test, lam=1e-4):
+    """Held-out squared error of a ridge least-squares fit, relative to the target variance."""
+    x_train, x_test = (np.c_[x, np.ones(len(x))] for x in (x_train, x_test))
+    w = np.linalg.solve(x_train.T @ x_train + lam * len(x_train) * np.eye(x_train.shape[1]), x_train.T @ y_train)
+    return ((x_test @ w - y_test) ** 2).mean() / y_test.var(0).mean()
+
+
+def random_features(x, num=600, scale=1.5):
+    """Random Fourier features plus x itself: lets least squares fit smooth nonlinear functions of x."""
+    rng = np.random.default_rng(x.shape[1])
+    w = rng.standard_normal((x.shape[1], num)) * scale / np.sqrt(x.shape[1])
+    return np.c_[np.cos(x @ w + rng.uniform(0, 2 * np.pi, num)), x]
+
+
+def gesture_summary(actions):
+    """Generic GUI features of one step's events [..., A, 3]: final x, y, touch and the distance dragged."""
+    touch = actions[..., 2] > 0.5
+    held = (touch[..., 1:] & touch[..., :-1])[..., None]
+    dragged = (np.diff(actions[..., :2], axis=-2) * held).sum(-2)
+    return np.concatenate([actions[..., -1, :], 3 * dragged], -1)
+
+
+def test_next_embedding_depends_on_the_actions(tmp_path):
+    # If e_{t+1} were a function of e_t alone, knowing a_t could not lower the error on unseen trajectories
+    # (the action-aware fit contains the action-blind ones). A clearly lower held-out error therefore shows
+    # that the actions carry information about the next step that the current step does not.
+    def pairs(seed, n):
+        (path,) = gen.generate(tmp_path / str(seed), num_files=1, trajectories_per_file=n, seed=seed, **SMALL)
+        data = load(path)
+        emb = data["embeddings"].astype(np.float64).reshape(n, 4, -1)
+        return emb[:, :-1].reshape(-1, emb.shape[-1]), gesture_summary(data["actions"]).reshape(-1, 5), \
+            emb[:, 1:].reshape(-1, emb.shape[-1])
+    (e_tr, a_tr, y_tr), (e_te, a_te, y_te) = pairs(1, 1500), pairs(2, 500)
+    mean = e_tr.mean(0)
+    basis = np.linalg.svd(e_tr - mean, full_matrices=False)[2][:12].T
+    scale = ((e_tr - mean) @ basis).std(0)
+    z_tr, z_te = ((e - mean) @ basis / scale for e in (e_tr, e_te))
+    blind = min(ridge_error(e_tr, y_tr, e_te, y_te),
+                ridge_error(z_tr, y_tr, z_te, y_te),
+                ridge_error(random_features(z_tr), y_tr, random_features(z_te), y_te))
+    aware = ridge_error(random_features(np.c_[z_tr, 2 * a_tr - 1]), y_tr,
+                        random_features(np.c_[z_te, 2 * a_te - 1]), y_te)
+    assert aware < 0.7 * blind, (aware, blind)
+
+# -----------------------------------------------------------------------------------------------------------------
+# dataset
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+    gen.generate(tmp_path / "data", num_files=3, trajectories_per_file=4, seed=5, **SMALL)
+    return tmp_path / "data"
+
+
+def test_dataset_items_match_the_files(data_dir):
+    ds = VJ2TrajectoryDataset(data_dir, rollout_horizon=2)
+    assert len(ds) == 12 and ds.skipped == [] and len(ds.files) == 3
+    assert ds.geometry == (4, 16, 32, 10, 3)
+    assert ds.summary() == f"{data_dir}: 3 files, 12 trajectories, 0 skipped, geometry T=4 P=16 D=32 A=10 C=3 (float16)"
+    files = [load(p) for p in sorted(data_dir.glob("*.npz"))]
+    for i in range(len(ds)):
+        emb, act = ds[i]
+        assert emb.dtype == torch.float16 and emb.shape == (4, 16, 32)
+        assert act.dtype == torch.float32 and act.shape == (3, 30)
+        f, row = divmod(i, 4)
+        assert np.array_equal(emb.numpy(), files[f]["embeddings"][row])
+        assert np.array_equal(act.numpy(), files[f]["actions"][row].reshape(3, 30))
+    assert torch.equal(ds[-1][0], ds[11][0])
+    with pytest.raises(IndexError):
+        ds[12]
+
+
+def test_memmap_and_decompressing_paths_give_identical_items(tmp_path):
+    stored = gen.generate(tmp_path / "stored", num_files=3, trajectories_per_file=4, seed=9, **SMALL)
+    gen.generate(tmp_path / "deflated", num_files=3, trajectories_per_file=4, seed=9, compress=True, **SMALL)
+    a = VJ2TrajectoryDataset(tmp_path / "stored")
+    b = VJ2TrajectoryDataset(tmp_path / "deflated", cache_files=1)
+    assert stored[0].stat().st_size > (tmp_path / "deflated" / "train_00000.npz").stat().st_size
+    for i in range(len(a)):
+        for x, y in zip(a[i], b[i]):
+            assert torch.equal(x, y)
+    assert isinstance(a.arrays(0)[0], np.memmap) and not isinstance(b.arrays(0)[0], np.memmap)
+    assert len(b._loaded) == 1  # the decompressed cache stays bounded
+
+
+def test_dataset_works_in_dataloader_workers_and_pickles_without_arrays(data_dir):
+    ds = VJ2TrajectoryDataset(data_dir)
+    ds[0]  # opens a map in the parent before the workers start
+    assert len(pickle.dumps(ds)) < 20_000
+    loader = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=2)
+    emb = torch.cat([e for e, _ in loader])
+    assert torch.equal(emb, torch.stack([ds[i][0] for i in range(len(ds))]))
+
+# -----------------------------------------------------------------------------------------------------------------
+# bad files
+
+
+def good(n=2, steps=4):
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal((n, steps, 16, 32)).astype(np.float16),
+            rng.random((n, steps - 1, 10, 3)).astype(np.float32))
+
+
+def npy_bytes(header_shape, dtype, payload):
+    """A .npy member whose header declares header_shape but which carries only `payload`."""
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
+                                               "fortran_order": False, "shape": header_shape})
+    return buf.getvalue() + payload
+
+
+class Tripwire:
+    """Unpickling this creates a file: proof that a loader executed the payload."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return Path.touch, (self.marker,)
+
+
+def write_not_zip(p):
+    p.write_bytes(b"this is not an archive")
+
+
+def write_truncated(p):
+    np.savez(p, embeddings=good()[0], actions=good()[1])
+    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+
+
+def write_missing_key(p):
+    np.savez(p, embeddings=good()[0])
+
+
+def write_wrong_ndim(p):
+    np.savez(p, embeddings=good()[0][:, :, 0], actions=good()[1])
+
+
+def write_n_mismatch(p):
+    np.savez(p, embeddings=good(n=3)[0], actions=good(n=2)[1])
+
+
+def write_step_mismatch(p):
+    emb, act = good()
+    np.savez(p, embeddings=emb, actions=np.concatenate([act, act[:, :1]], 1))
+
+
+def write_int_dtype(p):
+    np.savez(p, embeddings=good()[0].astype(np.int32), actions=good()[1])
+
+
+def write_nan(p):
+    emb, act = good()
+    emb[1, 2, 3, 4] = np.nan
+    np.savez(p, embeddings=emb, actions=act)
+
+
+def write_pickle(p):
+    payload = np.array([Tripwire(p.with_name("unpickled"))], dtype=object)
+    np.savez(p, embeddings=good()[0], actions=payload)  # unsafe-on-purpose: np.savez pickles object arrays
+
+
+def write_bomb_header(p):
+    with zipfile.ZipFile(p, "w") as zf:
+        zf.writestr("embeddings.npy", npy_bytes((10 ** 6, 8, 256, 1024), np.float16, b"\0" * 64))
+        zf.writestr("actions.npy", npy_bytes((2, 3, 10, 3), np.float32, np.zeros(180, np.float32).tobytes()))
+
+
+BAD_FILES = {
+    "not_zip": (write_not_zip, ["not a zip archive"]),
+    "truncated": (write_truncated, ["not a readable .npz archive"]),
+    "missing_key": (write_missing_key, ["missing key 'actions'", "found keys: ['embeddings']"]),
+    "wrong_ndim": (write_wrong_ndim, ["key 'embeddings'", "(3-D)", "expected 4-D [N, T, P, D]"]),
+    "n_mismatch": (write_n_mismatch, ["key 'actions'", "N=2", "N=3", "expected the same N"]),
+    "step_mismatch": (write_step_mismatch, ["key 'actions'", "has 4 steps", "expected T-1 = 3"]),
+    "int_dtype": (write_int_dtype, ["key 'embeddings'", "dtype int32", "expected float16 or float32"]),
+    "nan": (write_nan, ["key 'embeddings'", "NaN or inf", "trajectory 1", "expected finite"]),
+    "pickle": (write_pickle, ["key 'actions'", "pickle", "refusing to unpickle"]),
+    "bomb_header": (write_bomb_header, ["key 'embeddings'", "declares shape (1000000, 8, 256, 1024)", "zip bomb"]),
+}
+
+
+@pytest.mark.parametrize("kind", BAD_FILES)
+def test_bad_file_gets_an_error_naming_file_and_key(tmp_path, kind):
+    write, expected = BAD_FILES[kind]
+    path = tmp_path / "bad.npz"
+    write(path)
+    with pytest.raises(DataFileError) as err:
+        validate_npz(path)
+    assert str(path) in str(err.value)
+    for text in expected:
+        assert text in str(err.value)
+    assert not (tmp_path / "unpickled").exists()
+    with pytest.raises(DataFileError, match="bad.npz"):
+        VJ2TrajectoryDataset(tmp_path)
+
+
+def test_high_compression_ratio_is_refused(tmp_path):
+    path = tmp_path / "zeros.npz"
+    np.savez_compressed(path, embeddings=np.zeros((64, 4, 16, 32), np.float16), actions=good(64)[1])
+    validate_npz(path)
+    with pytest.raises(DataFileError, match="key 'embeddings'.*zip bomb"):
+        validate_npz(path, max_ratio=10)
+
+
+def test_nan_is_found_in_a_later_chunk(tmp_path, monkeypatch):
+    monkeypatch.setattr(vj2_dataloader, "SCAN_BYTES", 1024)
+    emb, act = good(n=6)
+    emb[4, 3, 15, 31] = np.inf
+    np.savez_compressed(tmp_path / "late.npz", embeddings=emb, actions=act)
+    with pytest.raises(DataFileError, match="trajectory 4"):
+        validate_npz(tmp_path / "late.npz")
+
+
+def test_geometry_mismatch_names_both_files(tmp_path):
+    gen.generate(tmp_path, num_files=1, trajectories_per_file=2, **SMALL)
+    np.savez(tmp_path / "zz_other.npz", embeddings=np.zeros((2, 4, 16, 8), np.float16), actions=good()[1])
+    with pytest.raises(DataFileError) as err:
+        VJ2TrajectoryDataset(tmp_path)
+    message = str(err.value)
+    assert "zz_other.npz" in message and "train_00000.npz" in message
+    assert "D=8" in message and "D=32" in message
+
+
+def test_empty_and_missing_directories(tmp_path):
+    with pytest.raises(DataFileError, match="no \\*.npz files"):
+        VJ2TrajectoryDataset(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        VJ2TrajectoryDataset(tmp_path / "nowhere")
+
+
+def test_skip_bad_files_skips_counts_and_warns(data_dir, caplog):
+    write_nan(data_dir / "nan.npz")
+    write_not_zip(data_dir / "junk.npz")
+    with pytest.warns(UserWarning, match="skipping bad data file"):
+        ds = VJ2TrajectoryDataset(data_dir, skip_bad_files=True)
+    assert len(ds) == 12 and len(ds.files) == 3
+    assert sorted(p.name for p, _ in ds.skipped) == ["junk.npz", "nan.npz"]
+    assert "2 skipped" in ds.summary()
+    with caplog.at_level(logging.WARNING):
+        VJ2TrajectoryDataset(data_dir, skip_bad_files=True, logger=logging.getLogger("vj2test"))
+    assert sum("skipping bad data file" in r.message for r in caplog.records) == 2
+
+
+def test_rollout_horizon_longer_than_trajectories_is_refused(data_dir):
+    VJ2TrajectoryDataset(data_dir, rollout_horizon=3)
+    with pytest.raises(ValueError, match="T=4.*rollout_horizon=4"):
+        VJ2TrajectoryDataset(data_dir, rollout_horizon=4)
