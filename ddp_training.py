@@ -96,6 +96,7 @@ class TrainConfig:
     checkpoint_prefix: str = "model"
     save_interval: int = 1              # epochs between <prefix>_epoch_N.pt; 0 = off
     save_every_iters: int = 0           # steps between <prefix>_step_N.pt; 0 = off
+    resume: str = "none"                # auto | none | PATH of a resumable state
     # faults
     max_errors_per_epoch: int = 5
     max_bad_steps: int = 5              # consecutive non-finite steps before giving up
