@@ -493,8 +493,74 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu", verify: bool = 
         raise CheckpointError(f"checkpoint {path} cannot be loaded safely: {exc}") from exc
 
 
+def keep_newest(paths: list, keep: int) -> list:
+    """Delete all but the `keep` newest of `paths` (sorted oldest first), with their sidecars."""
+    removed = paths[:-keep] if keep > 0 else []
+    for p in removed:
+        Path(p).unlink(missing_ok=True)
+        Path(str(p) + ".sha256").unlink(missing_ok=True)
+    return removed
+
+
 def unwrap_state_dict(model: torch.nn.Module) -> dict:
     """The state dict without DDP's or torch.compile's wrapper prefixes."""
     inner = getattr(model, "module", model)
     inner = getattr(inner, "_orig_mod", inner)
     return inner.state_dict()
+
+
+# ----------------------------------------------------------------------------
+# RNG state (stored as tensors and plain numbers so it loads with weights_only=True)
+# ----------------------------------------------------------------------------
+
+def rng_state() -> dict:
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    state = {"torch": torch.get_rng_state(),
+             "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+             "python": {"version": int(version), "internal": torch.tensor(internal, dtype=torch.int64),
+                        "gauss_next": gauss_next}}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["internal"].tolist()), p["gauss_next"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ----------------------------------------------------------------------------
+# Replication check: every rank must hold the same weights
+# ----------------------------------------------------------------------------
+
+def parameter_digests(model: torch.nn.Module) -> list:
+    out = []
+    for name, p in model.named_parameters():
+        out.append((name, hashlib.sha256(p.detach().cpu().contiguous().view(torch.uint8).numpy()).hexdigest()))
+    return out
+
+
+def check_replicas(model: torch.nn.Module) -> None:
+    """Compare a hash of the parameters across ranks; a mismatch names the ranks and the
+    first parameter that differs (one small all-gather; per-parameter detail only on failure)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    digests = parameter_digests(model)
+    overall = hashlib.sha256("".join(d for _, d in digests).encode()).hexdigest()
+    everyone = gather_objects(overall)
+    if len(set(everyone)) == 1:
+        return
+    tables = gather_objects(digests)
+    reference = tables[0]
+    diverged = [r for r, h in enumerate(everyone) if h != everyone[0]]
+    first = next(name for i, (name, d) in enumerate(reference) if any(t[i][1] != d for t in tables))
+    raise RuntimeError(f"replicas diverged: ranks {diverged} differ from rank 0; "
+                       f"first differing parameter: {first}")

@@ -96,7 +96,8 @@ class TrainConfig:
     checkpoint_prefix: str = "model"
     save_interval: int = 1              # epochs between <prefix>_epoch_N.pt; 0 = off
     save_every_iters: int = 0           # steps between <prefix>_step_N.pt; 0 = off
-    resume: str = "none"                # auto | none | PATH of a resumable state
+    resume: str = "auto"                # auto: newest valid state in checkpoint_dir | none | PATH
+    keep_states: int = 2                # resumable states kept (newest first)
     # faults
     max_errors_per_epoch: int = 5
     max_bad_steps: int = 5              # consecutive non-finite steps before giving up
@@ -492,6 +493,7 @@ class DDPTrainer:
         self.count_unit = count_unit
 
         self.raw_model = model.to(env.device)
+        torch.manual_seed(cfg.seed + 1000 * env.rank)  # dropout etc. differ per rank from here on
         n_params = sum(p.numel() for p in model.parameters())
         self.log.info("model: %s, %s parameters", describe or type(model).__name__, f"{n_params:,}")
         if self.data_info:
@@ -537,10 +539,14 @@ class DDPTrainer:
         self.skipped_steps = 0
         self.last_val: Optional[float] = None
         self.last_val_step = -1
+        self.step_in_epoch = 0
+        self.loader_rng = {"epoch_start": self.train_loader.generator.get_state(),
+                           "current": self.train_loader.generator.get_state()}
         self.log.info("%d steps (%d per epoch), global batch %d = %d per rank x %d accum x %d ranks",
                       self.total_steps, self.steps_per_epoch,
                       cfg.batch_size * cfg.grad_accum_steps * env.world_size,
                       cfg.batch_size, cfg.grad_accum_steps, env.world_size)
+        self.resumed_from = self._resume()  # last: it restores the RNG streams set-up consumed
 
     def _pick_amp(self) -> Optional[torch.dtype]:
         cfg, dev = self.cfg, self.env.device
@@ -654,6 +660,97 @@ class DDPTrainer:
                       "" if self.last_val is None else f", val_loss {self.last_val:.6f}")
         return path
 
+    # -- resumable state ----------------------------------------------------------
+
+    def state_path(self, step: int) -> Path:
+        return self.ckpt_dir / f"{self.cfg.checkpoint_prefix}_state_step_{step}.pt"
+
+    def state_files(self) -> list:
+        """Resumable states in the checkpoint dir, oldest first."""
+        found = []
+        for p in self.ckpt_dir.glob(f"{self.cfg.checkpoint_prefix}_state_step_*.pt"):
+            tail = p.stem.rsplit("_", 1)[-1]
+            if tail.isdigit():
+                found.append((int(tail), p))
+        return [p for _, p in sorted(found)]
+
+    def save_state(self) -> Path:
+        """Everything needed to continue bit-exactly: weights, optimizer, schedule, scaler,
+        counters, position in the epoch, and every rank's RNG streams (gathered to rank 0)."""
+        rt.check_replicas(self.raw_model)
+        per_rank_rng = rt.gather_objects({**rt.rng_state(), "loader": dict(self.loader_rng)})
+        cfg = self.cfg
+        state = {"model": rt.unwrap_state_dict(self.model), "optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict(),
+                 "scaler": self.scaler.state_dict() if self.scaler else None,
+                 "counters": {k: getattr(self, k) for k in self.STATE_COUNTERS},
+                 "rng": per_rank_rng,
+                 "run": {"world_size": self.env.world_size, "batch_size": cfg.batch_size,
+                         "grad_accum_steps": cfg.grad_accum_steps, "seed": cfg.seed,
+                         "train_samples": len(self.train_loader.dataset)}}
+        path = self.state_path(self.global_step)
+
+        def write():
+            rt.atomic_save(state, path)
+            rt.keep_newest(self.state_files(), cfg.keep_states)  # only after the new one is complete
+        rt.run_on_rank0(write, what=f"writing {path}")
+        self.log.info("saved resumable state %s (step %d, epoch %d, %d steps into the epoch)", path,
+                      self.global_step, self.epoch, self.step_in_epoch)
+        return path
+
+    STATE_COUNTERS = ("global_step", "epoch", "step_in_epoch", "best_val", "bad_validations",
+                      "consecutive_bad_steps", "skipped_steps", "last_val", "last_val_step")
+
+    def _resume(self) -> Optional[Path]:
+        """Load the state `resume` points at (auto: the newest one that loads); every rank
+        must arrive at the same file."""
+        mode = self.cfg.resume
+        if mode == "none":
+            return None
+        explicit = mode != "auto"
+        candidates = [Path(mode)] if explicit else list(reversed(self.state_files()))
+        chosen = None
+        for path in candidates:
+            try:
+                self._apply_state(rt.load_checkpoint(path, map_location=self.env.device), path)
+                chosen = path
+                break
+            except (rt.CheckpointError, RuntimeError, KeyError) as exc:
+                if explicit:
+                    raise rt.CheckpointError(f"--resume {path}: {exc}") from exc
+                self.log.warning("cannot resume from %s (%s); trying the previous state", path, exc)
+        everyone = rt.gather_objects(str(chosen))
+        if len(set(everyone)) != 1:
+            raise RuntimeError(f"ranks chose different states to resume from: {everyone}")
+        if chosen is None:
+            self.log.info("no resumable state in %s: starting fresh", self.ckpt_dir)
+        else:
+            self.log.info("resumed from %s at step %d (epoch %d, %d steps into it)", chosen,
+                          self.global_step, self.epoch, self.step_in_epoch)
+        return chosen
+
+    def _apply_state(self, state: dict, path: Path) -> None:
+        run = state["run"]
+        now = {"world_size": self.env.world_size, "batch_size": self.cfg.batch_size,
+               "grad_accum_steps": self.cfg.grad_accum_steps, "seed": self.cfg.seed,
+               "train_samples": len(self.train_loader.dataset)}
+        for key, value in now.items():
+            if run[key] != value:
+                # The sample order depends on all of these; continuing would not be the same run.
+                raise ValueError(f"{path} was written with {key}={run[key]}, this run has {key}={value}; "
+                                 f"resuming with a different {key} is refused (use --resume none to start "
+                                 f"fresh, or the original setting)")
+        self.raw_model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler and state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+        for k, v in state["counters"].items():
+            setattr(self, k, v)
+        mine = state["rng"][self.env.rank]
+        self.loader_rng = dict(mine["loader"])
+        rt.set_rng_state(mine)
+
     def write_metrics(self, record: dict) -> None:
         if self.env.is_main:
             self._metrics_file.write(json.dumps(record) + "\n")
@@ -701,6 +798,8 @@ class DDPTrainer:
         stop_signal = rt.StopSignal().install()
         if self.env.is_main:
             Path(self.cfg.log_dir).mkdir(parents=True, exist_ok=True)
+            (Path(self.cfg.log_dir) / "PREEMPTED").unlink(missing_ok=True)
+            self._truncate_metrics()
             self._metrics_file = open(self.metrics_path, "a")
         try:
             status = self._loop(stop_signal)
@@ -722,14 +821,23 @@ class DDPTrainer:
         self.samples_seen = 0
         global_batch = cfg.batch_size * cfg.grad_accum_steps * self.env.world_size
         window_t, window_steps = time.time(), 0
-        while True:
+        gen = self.train_loader.generator
+        while self.global_step < self.total_steps:
+            start = self.step_in_epoch
+            # Re-create the epoch's batch order exactly: same permutation, same loader seed,
+            # skipping what this epoch already consumed.
+            gen.set_state(self.loader_rng["epoch_start" if start else "current"])
+            self.loader_rng["epoch_start"] = gen.get_state()
             self.train_loader.sampler.set_epoch(self.epoch)
+            self.train_loader.sampler.set_start_index(start * cfg.batch_size * cfg.grad_accum_steps)
             batches = iter(self.train_loader)
-            for i in range(self.steps_per_epoch):
+            self.loader_rng["current"] = gen.get_state()
+            for i in range(start, self.steps_per_epoch):
                 micro = [next(batches) for _ in range(cfg.grad_accum_steps)]
                 step_t = time.time()
                 r = self._train_step(micro, stop_signal.received is not None)
                 self.global_step += 1
+                self.step_in_epoch = i + 1
                 self.samples_seen += global_batch
                 window_steps += 1
                 self._after_step(r, time.time() - step_t, global_batch)
@@ -739,28 +847,37 @@ class DDPTrainer:
                                   self.epoch, self.global_step, self.total_steps, r["loss"],
                                   self.scheduler.get_last_lr()[0], r["grad_norm"], rate)
                     window_t, window_steps = time.time(), 0
-                if r["stop"]:
-                    self.log.warning("stop signal received (%s on some rank): saving and exiting at step %d",
-                                     stop_signal.name or "another rank", self.global_step)
-                    self.save_checkpoint("interrupted")
-                    rt.run_on_rank0(self._write_preempted_marker, what="writing PREEMPTED marker")
-                    return "interrupted"
+                # The step's boundary work comes before a stop, so a resumed run repeats none of it.
+                early = bool(cfg.val_interval) and self.global_step % cfg.val_interval == 0 and self._validate()
                 if cfg.save_every_iters and self.global_step % cfg.save_every_iters == 0:
                     self.save_checkpoint(f"step_{self.global_step}")
-                if cfg.val_interval and self.global_step % cfg.val_interval == 0 and self._validate():
+                    self.save_state()
+                if early:
                     return "early_stopped"
+                if r["stop"]:
+                    return self._interrupt(stop_signal)
                 if self.global_step >= self.total_steps and i < self.steps_per_epoch - 1:
                     break
             else:  # a full epoch
                 self.epoch += 1
+                self.step_in_epoch = 0
                 if not cfg.val_interval and self._validate():
                     return "early_stopped"
                 if cfg.save_interval and self.epoch % cfg.save_interval == 0:
                     self.save_checkpoint(f"epoch_{self.epoch}")
-            if self.global_step >= self.total_steps:
-                if self.last_val_step != self.global_step and self._validate():
-                    return "early_stopped"
-                return "completed"
+                    self.save_state()
+        if self.last_val_step != self.global_step and self._validate():
+            return "early_stopped"
+        return "completed"
+
+    def _interrupt(self, stop_signal: rt.StopSignal) -> str:
+        self.log.warning("stop signal received (%s on some rank): saving and exiting at step %d",
+                         stop_signal.name or "another rank", self.global_step)
+        self.save_checkpoint("interrupted")
+        if not self.state_path(self.global_step).exists():
+            self.save_state()
+        rt.run_on_rank0(self._write_preempted_marker, what="writing PREEMPTED marker")
+        return "interrupted"
 
     def _after_step(self, r: dict, step_time: float, global_batch: int) -> None:
         cfg = self.cfg
@@ -785,6 +902,24 @@ class DDPTrainer:
                                      f"(max_bad_steps={cfg.max_bad_steps}) at step {self.global_step}; "
                                      f"last good weights saved to {self.checkpoint_path('interrupted')}")
 
+    def _truncate_metrics(self) -> None:
+        """A resumed run continues the same curves: drop records past the resume step."""
+        if not self.metrics_path.exists():
+            return
+        if self.resumed_from is None:
+            return
+        kept = []
+        for line in self.metrics_path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by the crash that made us resume
+            if rec.get("type") != "summary" and rec.get("step", 0) <= self.global_step:
+                kept.append(line)
+        tmp = self.metrics_path.with_suffix(".tmp")
+        tmp.write_text("".join(k + "\n" for k in kept))
+        os.replace(tmp, self.metrics_path)
+
     def _write_preempted_marker(self) -> None:
         marker = Path(self.cfg.log_dir) / "PREEMPTED"
         marker.write_text(json.dumps({"step": self.global_step, "epoch": self.epoch,
@@ -795,7 +930,8 @@ class DDPTrainer:
             self.save_checkpoint("final")
         test = self.evaluate(self.test_loader) if self.test_loader is not None and status != "interrupted" else None
         wall = time.time() - self.t0
-        summary = {"status": status, "steps": self.global_step, "epochs": self.epoch,
+        summary = {"status": status, "steps": self.global_step,
+                   "resumed_from": None if self.resumed_from is None else str(self.resumed_from), "epochs": self.epoch,
                    "final_val_loss": self.last_val,
                    "best_val_loss": None if math.isinf(self.best_val) else self.best_val,
                    "test_loss": None if test is None else test["loss"], "wall_time_s": round(wall, 3),
