@@ -567,7 +567,7 @@ class DDPTrainer:
 
     # -- one optimizer step -----------------------------------------------------
 
-    def _train_step(self, micro_batches: list, stop_requested: bool) -> dict:
+    def _train_step(self, micro_batches: list, stop_signal: rt.StopSignal) -> dict:
         """Forward/backward over the accumulation window, one small all-reduce of
         [count, loss, extras..., non-finite, stop], then a step that all ranks agree on."""
         cfg, model = self.cfg, self.model
@@ -603,7 +603,7 @@ class DDPTrainer:
         grad_bad = ~torch.isfinite(raw_norm)
         if self.scaler is None:  # with a GradScaler, inf gradients are its normal business
             nonfinite = torch.maximum(nonfinite, grad_bad.double())
-        stop = torch.tensor(float(stop_requested), device=self.env.device, dtype=torch.float64)
+        stop = torch.tensor(float(stop_signal.received is not None), device=self.env.device, dtype=torch.float64)
         names = sorted(extras)
         packed = torch.stack([count, loss_sum, nonfinite, stop] + [extras[n] for n in names])
         reduced = rt.all_reduce_tensor(packed).tolist()
@@ -835,7 +835,7 @@ class DDPTrainer:
             for i in range(start, self.steps_per_epoch):
                 micro = [next(batches) for _ in range(cfg.grad_accum_steps)]
                 step_t = time.time()
-                r = self._train_step(micro, stop_signal.received is not None)
+                r = self._train_step(micro, stop_signal)
                 self.global_step += 1
                 self.step_in_epoch = i + 1
                 self.samples_seen += global_batch

@@ -1,0 +1,261 @@
+"""Resumable state: a run stopped at any step and resumed ends with weights bit-identical
+to a run that never stopped (compared tensor by tensor with torch.equal), on one rank and
+on two, after SIGTERM, after SIGKILL under torchrun --max-restarts, and after corruption."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+import ddp_runtime as rt
+from conftest import clean_env, torchrun
+from dist_helpers import spawn
+from ddp_training import DDPTrainer, lm_loss
+
+# 128 samples / 16 per batch = 8 steps per epoch; 20 steps cross two epoch boundaries.
+# Dropout is on so the torch RNG streams must be restored too.
+BASE = dict(hidden_size=32, num_layers=2, num_heads=2, seq_len=32, dataset_size=128, batch_size=16,
+            max_steps=20, learning_rate=1e-2, warmup_steps=3, log_interval=100, val_interval=0,
+            save_every_iters=5, save_interval=0, dropout=0.1, device="cpu")
+
+
+class SignalAt:
+    """A loss that sends SIGTERM to its own process during step `step` (a real signal, caught by
+    the trainer's handler; the stop is agreed across ranks at the end of that step)."""
+
+    def __init__(self, step: int, accum: int = 1):
+        self.calls, self.at = 0, (step - 1) * accum + 1
+
+    def __call__(self, model, batch):
+        self.calls += model.training  # validation batches do not count
+        if self.calls == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return lm_loss(model, batch)
+
+
+def cfg_for(root: Path, **extra) -> dict:
+    return {**BASE, "log_dir": str(root / "logs"), "checkpoint_dir": str(root / "ckpt"), **extra}
+
+
+def final_weights(root: Path) -> dict:
+    return torch.load(root / "ckpt" / "model_final.pt", weights_only=True)["model"]
+
+
+def assert_bit_identical(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"tensors differ after resume: {different[:5]}"
+
+
+def train_steps(root: Path) -> list:
+    lines = (root / "logs" / "metrics.jsonl").read_text().splitlines()
+    return [r["step"] for r in map(json.loads, lines) if r["type"] == "train"]
+
+
+# -- one process --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def reference_1(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ref1")
+    DDPTrainer(config=cfg_for(root)).train()
+    return final_weights(root)
+
+
+@pytest.mark.parametrize("stop_at", [3, 8, 6], ids=["mid-epoch", "epoch-boundary", "after-checkpoint"])
+def test_stop_and_resume_is_bit_identical_one_process(tmp_path, no_launch_env, reference_1, stop_at):
+    first = DDPTrainer(config=cfg_for(tmp_path), loss_fn=SignalAt(stop_at)).train()
+    assert first["status"] == "interrupted" and first["steps"] == stop_at
+    assert json.loads((tmp_path / "logs" / "PREEMPTED").read_text())["step"] == stop_at
+    second = DDPTrainer(config=cfg_for(tmp_path)).train()  # resume: auto, the default
+    assert second["status"] == "completed" and second["resumed_from"].endswith(f"state_step_{stop_at}.pt")
+    assert_bit_identical(final_weights(tmp_path), reference_1)
+    assert train_steps(tmp_path) == list(range(1, 21))  # the resumed curve has no duplicates
+    assert not (tmp_path / "logs" / "PREEMPTED").exists()
+
+
+def test_resume_none_starts_fresh_and_differs(tmp_path, no_launch_env, reference_1):
+    DDPTrainer(config=cfg_for(tmp_path), loss_fn=SignalAt(6)).train()
+    s = DDPTrainer(config=cfg_for(tmp_path, resume="none", max_steps=14)).train()
+    assert s["resumed_from"] is None and s["steps"] == 14
+
+
+def test_only_the_newest_states_are_kept(tmp_path, no_launch_env):
+    DDPTrainer(config=cfg_for(tmp_path, keep_states=2)).train()
+    states = sorted(p.name for p in (tmp_path / "ckpt").glob("model_state_step_*.pt"))
+    assert states == ["model_state_step_15.pt", "model_state_step_20.pt"]
+
+
+def test_corrupt_newest_state_falls_back_to_the_previous(tmp_path, no_launch_env, reference_1, caplog):
+    DDPTrainer(config=cfg_for(tmp_path, keep_states=3), loss_fn=SignalAt(12)).train()
+    newest = tmp_path / "ckpt" / "model_state_step_12.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated
+    middle = tmp_path / "ckpt" / "model_state_step_10.pt"
+    raw = bytearray(middle.read_bytes())
+    raw[len(raw) // 3] ^= 0x01  # one flipped bit
+    middle.write_bytes(bytes(raw))
+    s = DDPTrainer(config=cfg_for(tmp_path, keep_states=3)).train()
+    assert s["resumed_from"].endswith("model_state_step_5.pt")
+    log = (tmp_path / "logs" / "rank_0.log").read_text()
+    assert "cannot resume from" in log and "model_state_step_12.pt" in log and "SHA-256" in log
+    assert_bit_identical(final_weights(tmp_path), reference_1)
+
+
+def test_explicit_resume_path_that_fails_is_an_error(tmp_path, no_launch_env):
+    DDPTrainer(config=cfg_for(tmp_path), loss_fn=SignalAt(6)).train()
+    state = tmp_path / "ckpt" / "model_state_step_6.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    with pytest.raises(rt.CheckpointError, match="--resume .*model_state_step_6.pt"):
+        DDPTrainer(config=cfg_for(tmp_path, resume=str(state)))
+    with pytest.raises(rt.CheckpointError, match="does not exist"):
+        DDPTrainer(config=cfg_for(tmp_path, resume=str(tmp_path / "nope.pt")))
+
+
+def test_changed_batch_size_is_refused_clearly(tmp_path, no_launch_env):
+    DDPTrainer(config=cfg_for(tmp_path), loss_fn=SignalAt(6)).train()
+    with pytest.raises(ValueError, match="batch_size=16, this run has batch_size=8"):
+        DDPTrainer(config=cfg_for(tmp_path, batch_size=8))
+
+
+def test_pickle_payload_state_is_refused_without_running(tmp_path, no_launch_env):
+    DDPTrainer(config=cfg_for(tmp_path), loss_fn=SignalAt(6)).train()
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+    torch.save({"model": Evil()}, tmp_path / "ckpt" / "model_state_step_99.pt")
+    s = DDPTrainer(config=cfg_for(tmp_path)).train()
+    assert s["resumed_from"].endswith("model_state_step_6.pt") and not marker.exists()
+
+
+def test_a_failed_state_write_keeps_the_previous_one(tmp_path, no_launch_env, monkeypatch):
+    real = rt.atomic_save
+
+    def fail_on_step_10(obj, path):
+        if "state_step_10" in str(path):
+            raise OSError("No space left on device")
+        return real(obj, path)
+    monkeypatch.setattr(rt, "atomic_save", fail_on_step_10)
+    with pytest.raises(OSError, match="No space left"):
+        DDPTrainer(config=cfg_for(tmp_path)).train()
+    monkeypatch.undo()
+    assert rt.load_checkpoint(tmp_path / "ckpt" / "model_state_step_5.pt")["counters"]["global_step"] == 5
+    assert not list((tmp_path / "ckpt").glob(".*tmp"))
+
+
+# -- two processes -----------------------------------------------------------------------
+
+def _two_rank_run(rank, world_size, root, stop_rank, stop_at, extra):
+    loss = SignalAt(stop_at, extra.get("grad_accum_steps", 1)) if rank == stop_rank else None
+    summary = DDPTrainer(rank=rank, world_size=world_size, config=cfg_for(Path(root), **extra),
+                         loss_fn=loss).train()
+    return summary["status"], summary["steps"]
+
+
+TWO_RANK = dict(batch_size=8, grad_accum_steps=1)  # 128 / 2 ranks / 8 = 8 steps per epoch
+
+
+@pytest.fixture(scope="module")
+def reference_2(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ref2")
+    spawn(_two_rank_run, 2, str(root), -1, 0, TWO_RANK)
+    return final_weights(root)
+
+
+@pytest.mark.multi
+@pytest.mark.parametrize("stop_at", [3, 8, 6], ids=["mid-epoch", "epoch-boundary", "after-checkpoint"])
+def test_signal_on_one_rank_then_resume_is_bit_identical_two_ranks(tmp_path, reference_2, stop_at):
+    # Only rank 1 receives the signal; both ranks must stop at the same step.
+    assert spawn(_two_rank_run, 2, str(tmp_path), 1, stop_at, TWO_RANK) == [("interrupted", stop_at)] * 2
+    assert spawn(_two_rank_run, 2, str(tmp_path), -1, 0, TWO_RANK) == [("completed", 20)] * 2
+    assert_bit_identical(final_weights(tmp_path), reference_2)
+
+
+# -- torchrun: SIGKILL with --max-restarts, SIGTERM to the agent ------------------------------
+
+LONG = ["--cpu", "--test", "--max_steps", "300", "--val_interval", "100", "--save_every_iters", "25",
+        "--log_dir", "logs", "--checkpoint_dir", "ckpt"]
+
+
+def start(cmd, cwd) -> subprocess.Popen:
+    env = clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def wait_for_step(root: Path, step: int, timeout: float = 90) -> None:
+    deadline = time.time() + timeout
+    metrics = root / "logs" / "metrics.jsonl"
+    while time.time() < deadline:
+        if metrics.exists() and any(f'"step": {step},' in line for line in metrics.read_text().splitlines()):
+            return
+        time.sleep(0.05)
+    pytest.fail(f"step {step} not reached within {timeout}s")
+
+
+def workers(agent: subprocess.Popen) -> dict:
+    out = {}
+    for child in psutil.Process(agent.pid).children(recursive=True):
+        try:
+            env = child.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if "RANK" in env and "TORCHELASTIC_RUN_ID" in env:
+            out[int(env["RANK"])] = child
+    return out
+
+
+def finish(agent: subprocess.Popen, timeout: float) -> str:
+    try:
+        out, _ = agent.communicate(timeout=timeout)
+        return out
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def reference_torchrun(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reft")
+    out = finish(start(torchrun(2, "ddp_training.py", *LONG), root), 180)
+    assert (root / "ckpt" / "model_final.pt").exists(), out[-3000:]
+    return final_weights(root)
+
+
+@pytest.mark.multi
+def test_sigkill_a_worker_under_max_restarts_finishes_bit_identical(tmp_path, reference_torchrun):
+    agent = start(torchrun(2, "ddp_training.py", *LONG, extra=["--max-restarts=1"]), tmp_path)
+    wait_for_step(tmp_path, 60)
+    workers(agent)[1].kill()  # SIGKILL: no handler runs, no checkpoint is written
+    out = finish(agent, 180)
+    assert agent.returncode == 0, out[-4000:]
+    log = (tmp_path / "logs" / "rank_1.log").read_text()
+    assert "resumed from" in log and "model_state_step_" in log
+    assert_bit_identical(final_weights(tmp_path), reference_torchrun)
+    assert train_steps(tmp_path) == list(range(1, 301))
+
+
+@pytest.mark.multi
+def test_sigterm_to_the_agent_then_relaunch_is_bit_identical(tmp_path, reference_torchrun):
+    cmd = torchrun(2, "ddp_training.py", *LONG)
+    agent = start(cmd, tmp_path)
+    wait_for_step(tmp_path, 40)
+    procs = list(workers(agent).values())
+    t0 = time.time()
+    agent.send_signal(signal.SIGTERM)
+    finish(agent, 60)
+    gone, alive = psutil.wait_procs(procs, timeout=30)
+    assert not alive and time.time() - t0 < 40
+    marker = json.loads((tmp_path / "logs" / "PREEMPTED").read_text())
+    assert (tmp_path / "ckpt" / f"model_state_step_{marker['step']}.pt").exists()
+    assert (tmp_path / "ckpt" / "model_interrupted.pt").exists()
+    out = finish(start(cmd, tmp_path), 180)  # the same command again
+    assert (tmp_path / "ckpt" / "model_final.pt").exists(), out[-3000:]
+    assert_bit_identical(final_weights(tmp_path), reference_torchrun)
