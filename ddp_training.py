@@ -800,6 +800,7 @@ class DDPTrainer:
             Path(self.cfg.log_dir).mkdir(parents=True, exist_ok=True)
             (Path(self.cfg.log_dir) / "PREEMPTED").unlink(missing_ok=True)
             self._truncate_metrics()
+            self._write_resolved_config()
             self._metrics_file = open(self.metrics_path, "a")
         try:
             status = self._loop(stop_signal)
@@ -901,6 +902,12 @@ class DDPTrainer:
             raise FloatingPointError(f"{self.consecutive_bad_steps} consecutive non-finite steps "
                                      f"(max_bad_steps={cfg.max_bad_steps}) at step {self.global_step}; "
                                      f"last good weights saved to {self.checkpoint_path('interrupted')}")
+
+    def _write_resolved_config(self) -> None:
+        import yaml
+        # Loadable again with --config, so a run can be repeated exactly.
+        resolved = dataclasses.asdict(self.cfg)
+        (Path(self.cfg.log_dir) / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
 
     def _truncate_metrics(self) -> None:
         """A resumed run continues the same curves: drop records past the resume step."""

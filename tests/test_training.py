@@ -141,6 +141,16 @@ def test_unknown_config_key_names_the_key(tmp_path):
         TrainConfig.from_dict({"lr_schedule": "linear"})
 
 
+def test_resolved_config_and_example_configs_load(tmp_path, no_launch_env):
+    import dataclasses
+    from ddp_training import config_from_yaml
+    cfg = {**QUICK, **dirs(tmp_path), "max_steps": 2, "val_interval": 0}
+    DDPTrainer(config=cfg).train()
+    assert config_from_yaml(str(tmp_path / "logs" / "config.yaml")) == dataclasses.asdict(TrainConfig(**cfg))
+    for example in sorted((REPO / "configs").glob("lm_*.yaml")):
+        TrainConfig.from_dict(config_from_yaml(str(example)))
+
+
 def test_cli_precedence_defaults_yaml_flags(tmp_path):
     cfg_file = tmp_path / "c.yaml"
     cfg_file.write_text("batch_size: 8\nlearning_rate: 0.002\nuse_amp: false\n")
