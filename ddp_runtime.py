@@ -11,12 +11,14 @@ from __future__ import annotations
 import datetime
 import gc
 import hashlib
+import json
 import logging
 import os
 import random
 import re
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -152,6 +154,47 @@ def setup_distributed(rank: int, world_size: int, local_rank: Optional[int] = No
                             timeout=datetime.timedelta(seconds=timeout_s),
                             device_id=dev if chosen == "nccl" else None)
     return DistEnv(rank, local_rank, world_size, chosen, dev)
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """Shorten the timeout once start-up (compilation, data warm-up) is over."""
+    if dist.is_available() and dist.is_initialized():
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds))
+
+
+def missing_ranks(timeout_s: float) -> str:
+    """What gloo's monitored_barrier can tell about ranks that do not answer (rank 0 names them)."""
+    if not (dist.is_initialized() and dist.get_backend() == "gloo"):
+        return "the backend cannot name the missing rank"
+    try:
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
+    except RuntimeError as exc:
+        return f"monitored_barrier: {str(exc).splitlines()[0]}"
+    return "monitored_barrier: every rank answered"
+
+
+def write_failure_marker(log_dir, rank: int, step: int, exc: BaseException) -> None:
+    """`FAILED_rank_N` (JSON) in the run dir: the other ranks read it to report this rank's
+    error, and a requeue script tells a failure from a preemption."""
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    record = {"rank": rank, "step": step, "error": f"{type(exc).__name__}: {exc}"}
+    (Path(log_dir) / f"FAILED_rank_{rank}").write_text(json.dumps(record) + "\n")
+
+
+def read_failure_markers(log_dir, exclude: int, wait_s: float) -> list:
+    deadline = time.time() + wait_s
+    while True:
+        found = []
+        for p in sorted(Path(log_dir).glob("FAILED_rank_*")):
+            try:
+                rec = json.loads(p.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue  # being written right now
+            if rec.get("rank") != exclude:
+                found.append(rec)
+        if found or time.time() >= deadline:
+            return found
+        time.sleep(0.1)
 
 
 def teardown_distributed() -> None:

@@ -23,6 +23,7 @@ import random
 import socket
 import sys
 import time
+import traceback
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,7 +77,8 @@ class TrainConfig:
     # distributed
     device: str = "auto"                # auto | cuda | cpu
     dist_backend: Optional[str] = None  # nccl | gloo ; None = nccl with CUDA, else gloo
-    dist_timeout: float = rt.DEFAULT_DIST_TIMEOUT_S
+    dist_timeout: float = rt.DEFAULT_DIST_TIMEOUT_S   # seconds a collective may wait after the first step
+    first_step_timeout: float = 900.0   # the first step also waits for compilation and data warm-up
     find_unused_parameters: bool = False
     bucket_cap_mb: float = 25.0
     # evaluation and stopping
@@ -391,6 +393,25 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: floa
 LossFn = Callable[[nn.Module, Any], tuple]
 
 
+class StepFailed(RuntimeError):
+    """A step failed on some rank; raised on every rank with every rank's error."""
+
+
+@dataclass
+class BatchError:
+    """A batch that failed to load (the error text), kept in place of the batch."""
+    text: str
+
+
+def next_batch(batches) -> Any:
+    try:
+        return next(batches)
+    except StopIteration:
+        raise
+    except Exception as exc:  # a bad sample or collate error: agreed on and counted in the step
+        return BatchError(f"{type(exc).__name__}: {exc}")
+
+
 def to_device(batch, device: torch.device, non_blocking: bool):
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=non_blocking)
@@ -446,7 +467,7 @@ class DDPTrainer:
         self.cfg = TrainConfig.from_dict(config)
         cfg = self.cfg
         self.env = rt.setup_distributed(rank, world_size, local_rank, cfg.dist_backend, cfg.device,
-                                        cfg.dist_timeout)
+                                        max(cfg.dist_timeout, cfg.first_step_timeout))
         try:
             self._build(model, train_dataset, val_dataset, test_dataset, loss_fn, collate_fn,
                         checkpoint_extra, weights_key, count_unit, describe)
@@ -540,6 +561,9 @@ class DDPTrainer:
         self.last_val: Optional[float] = None
         self.last_val_step = -1
         self.step_in_epoch = 0
+        self.epoch_data_errors = 0
+        self.local_errors: list = []
+        self.spare_batch = None
         self.loader_rng = {"epoch_start": self.train_loader.generator.get_state(),
                            "current": self.train_loader.generator.get_state()}
         self.log.info("%d steps (%d per epoch), global batch %d = %d per rank x %d accum x %d ranks",
@@ -567,34 +591,61 @@ class DDPTrainer:
 
     # -- one optimizer step -----------------------------------------------------
 
+    def _forward_backward(self, batch, last: bool, weight: float):
+        """One micro-step. Non-final micro-steps accumulate locally; only the last all-reduces."""
+        model = self.model
+        batch = to_device(batch, self.env.device, self.non_blocking)
+        sync = contextlib.nullcontext() if last or not self.env.is_distributed else model.no_sync()
+        with sync:
+            with self._autocast():
+                out = self.loss_fn(model, batch)
+            # Scaling by a constant that is equal on all ranks keeps DDP's average a plain
+            # sum; the true 1/global_count is applied once all counts are known.
+            scaled = out[0].float() * (weight / self.cfg.batch_size)
+            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+        extras = out[2] if len(out) > 2 else {}
+        return (out[0].detach() * weight, torch.as_tensor(out[1], device=self.env.device) * weight,
+                {k: v.detach() * weight for k, v in extras.items()})
+
     def _train_step(self, micro_batches: list, stop_signal: rt.StopSignal) -> dict:
         """Forward/backward over the accumulation window, one small all-reduce of
-        [count, loss, extras..., non-finite, stop], then a step that all ranks agree on."""
-        cfg, model = self.cfg, self.model
-        model.train()
-        loss_sum = torch.zeros((), device=self.env.device, dtype=torch.float64)
-        count = torch.zeros((), device=self.env.device, dtype=torch.float64)
+        [count, loss, flags..., extras...], then a step that all ranks agree on.
+
+        A rank whose batch failed to load, or whose forward raised, replays a batch it
+        loaded earlier with weight zero: its collectives still match the other ranks', it
+        adds nothing to the gradient or the counts, and the error reaches every rank through
+        the same all-reduce instead of leaving them waiting in a collective."""
+        self.model.train()
+        dev = self.env.device
+        loss_sum = torch.zeros((), device=dev, dtype=torch.float64)
+        count = torch.zeros((), device=dev, dtype=torch.float64)
+        nonfinite = torch.zeros((), device=dev, dtype=torch.float64)
         extras: dict = {}
-        nonfinite = torch.zeros((), device=self.env.device, dtype=torch.float64)
+        data_errors, fatal = 0, None
         for k, batch in enumerate(micro_batches):
-            batch = to_device(batch, self.env.device, self.non_blocking)
             last = k == len(micro_batches) - 1
-            # Non-final micro-steps accumulate locally; only the last one all-reduces.
-            sync = contextlib.nullcontext() if last or not self.env.is_distributed else model.no_sync()
-            with sync:
-                with self._autocast():
-                    out = self.loss_fn(model, batch)
-                s, c = out[0], out[1]
-                # Scaling by a constant that is equal on all ranks keeps DDP's average a
-                # plain sum; the true 1/global_count is applied once all counts are known.
-                scaled = s.float() / cfg.batch_size
-                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-            finite = torch.isfinite(s.detach())
+            if isinstance(batch, BatchError):
+                data_errors += 1
+                self.local_errors.append(f"data error: {batch.text}")
+                batch, weight = self._spare(), 0.0
+            else:
+                self.spare_batch = batch if self.spare_batch is None else self.spare_batch
+                weight = 0.0 if fatal else 1.0
+            try:
+                s, c, ex = self._forward_backward(batch, last, weight)
+            except Exception as exc:
+                if fatal is not None:
+                    raise
+                fatal = f"{type(exc).__name__}: {exc}"
+                self.log.error("step %d raised on this rank: %s", self.global_step + 1, traceback.format_exc())
+                s, c, ex = self._forward_backward(self._spare(), last, 0.0)
+            finite = torch.isfinite(s)
             nonfinite = torch.maximum(nonfinite, (~finite).double())
-            loss_sum += torch.where(finite, s.detach().double(), 0.0)
-            count += torch.as_tensor(c, device=self.env.device).double()
-            for name, v in (out[2] if len(out) > 2 else {}).items():
-                extras[name] = extras.get(name, 0.0) + torch.where(finite, v.detach().double(), 0.0)
+            loss_sum += torch.where(finite, s.double(), 0.0)
+            count += c.double()
+            for name, v in ex.items():
+                extras[name] = extras.get(name, 0.0) + torch.where(finite, v.double(), 0.0)
+        unused = self._unused_parameters()
 
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
@@ -603,13 +654,20 @@ class DDPTrainer:
         grad_bad = ~torch.isfinite(raw_norm)
         if self.scaler is None:  # with a GradScaler, inf gradients are its normal business
             nonfinite = torch.maximum(nonfinite, grad_bad.double())
-        stop = torch.tensor(float(stop_signal.received is not None), device=self.env.device, dtype=torch.float64)
+        flags = torch.tensor([stop_signal.received is not None, data_errors, fatal is not None, bool(unused)],
+                             device=dev, dtype=torch.float64)
         names = sorted(extras)
-        packed = torch.stack([count, loss_sum, nonfinite, stop] + [extras[n] for n in names])
+        packed = torch.cat([torch.stack([count, loss_sum, nonfinite]), flags,
+                            torch.stack([extras[n] for n in names]) if names else flags[:0]])
         reduced = rt.all_reduce_tensor(packed).tolist()
-        g_count, g_loss, g_nonfinite, g_stop = reduced[:4]
+        g_count, g_loss, g_nonfinite, g_stop, g_data_errors, g_fatal, g_unused = reduced[:7]
+        if g_fatal or g_unused:
+            self._raise_collectively(fatal or (f"parameters without gradients: {', '.join(unused)}"
+                                               if unused else None))
+        if g_data_errors:
+            self._count_data_errors(int(g_data_errors))
         result = {"count": g_count, "loss": g_loss / max(g_count, 1.0), "stop": g_stop > 0,
-                  "extras": {n: v / max(g_count, 1.0) for n, v in zip(names, reduced[4:])}}
+                  "extras": {n: v / max(g_count, 1.0) for n, v in zip(names, reduced[7:])}}
 
         skip = g_nonfinite > 0 or g_count == 0 or (self.scaler is not None and bool(grad_bad))
         if skip:
@@ -619,11 +677,11 @@ class DDPTrainer:
             result.update(skipped=True, nonfinite=g_nonfinite > 0, grad_norm=float("nan"))
             return result
         # DDP averaged the per-rank sums: grad = (1/W) sum S / B. Make it sum S / N.
-        factor = self.env.world_size * cfg.batch_size / g_count
+        factor = self.env.world_size * self.cfg.batch_size / g_count
         norm = raw_norm * factor
         coef = factor
-        if cfg.grad_clip > 0:
-            coef = (factor * torch.clamp(cfg.grad_clip / (norm + 1e-6), max=1.0)).float()
+        if self.cfg.grad_clip > 0:
+            coef = (factor * torch.clamp(self.cfg.grad_clip / (norm + 1e-6), max=1.0)).float()
         torch._foreach_mul_([p.grad for p in params], coef)
         if self.scaler:
             self.scaler.step(self.optimizer)
@@ -634,6 +692,67 @@ class DDPTrainer:
         self.scheduler.step()
         result.update(skipped=False, nonfinite=False, grad_norm=float(norm))
         return result
+
+    def _spare(self):
+        """A batch that loads, to replay with weight zero; read by index, so no RNG moves."""
+        if self.spare_batch is None:
+            ds, samples = self.train_loader.dataset, []
+            for i in range(len(ds)):
+                try:
+                    samples.append(ds[i])
+                except Exception:  # noqa: BLE001 -- a bad sample is exactly what we are working around
+                    continue
+                if len(samples) == self.cfg.batch_size:
+                    break
+            if len(samples) < self.cfg.batch_size:
+                raise RuntimeError(f"fewer than batch_size={self.cfg.batch_size} samples of the training set load")
+            self.spare_batch = self.train_loader.collate_fn(samples)
+        return self.spare_batch
+
+    def _unused_parameters(self) -> list:
+        """Parameters that got no gradient: under DDP without find_unused_parameters they would
+        leave a bucket unreduced and fail the next step with an obscure error."""
+        if not self.env.is_distributed or self.cfg.find_unused_parameters:
+            return []
+        return [n for n, p in self.raw_model.named_parameters() if p.requires_grad and p.grad is None]
+
+    def _raise_collectively(self, mine: Optional[str]) -> None:
+        """Every rank learns every rank's error, logs them, and raises the same error."""
+        reports = rt.gather_objects(mine)
+        lines = [f"rank {r}: {m}" for r, m in enumerate(reports) if m]
+        text = f"step {self.global_step + 1} failed on " + "; ".join(lines)
+        if any("parameters without gradients" in line for line in lines):
+            text += (" -- the model's forward left these parameters unused; set find_unused_parameters=true "
+                     "(--find_unused_parameters true) or make every parameter take part in the loss")
+        self.log.error(text)
+        raise StepFailed(text)
+
+    def _explain_failure(self, exc: Exception) -> StepFailed:
+        """A collective failed (peer exited or timed out): name the rank and its error where
+        it left a FAILED marker, or the rank that did not answer a monitored barrier."""
+        step = self.global_step + 1
+        peers = rt.read_failure_markers(self.cfg.log_dir, exclude=self.env.rank, wait_s=5.0)
+        if peers:
+            text = f"step {step}: " + "; ".join(f"rank {p['rank']} failed: {p['error']}" for p in peers)
+        elif "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
+            text = (f"step {step}: a collective did not complete within dist_timeout={self.cfg.dist_timeout:g}s "
+                    f"(a rank is stuck, dead or far slower); {rt.missing_ranks(5.0)}")
+        else:
+            text = f"step {step}: {type(exc).__name__}: {exc}"
+        self.log.error(text)
+        return StepFailed(text)
+
+    def _count_data_errors(self, n: int) -> None:
+        """Recoverable batch-loading errors, counted per epoch on every rank alike."""
+        self.epoch_data_errors += n
+        mine = self.local_errors[-1] if self.local_errors else None
+        if self.epoch_data_errors > self.cfg.max_errors_per_epoch:
+            self._raise_collectively(f"{mine} ({self.epoch_data_errors} data errors this epoch, "
+                                     f"max_errors_per_epoch={self.cfg.max_errors_per_epoch})" if mine else None)
+        self.log.warning("%d batch(es) failed to load at step %d (%d this epoch, max %d); the step uses the "
+                         "other batches%s", n, self.global_step + 1, self.epoch_data_errors,
+                         self.cfg.max_errors_per_epoch, f"; here: {mine}" if mine else "")
+        self.local_errors.clear()
 
     # -- evaluation -------------------------------------------------------------
 
@@ -796,6 +915,7 @@ class DDPTrainer:
     def train(self) -> dict:
         """Run to max_steps/num_epochs, early stop, or an agreed stop signal; returns a summary."""
         stop_signal = rt.StopSignal().install()
+        (Path(self.cfg.log_dir) / f"FAILED_rank_{self.env.rank}").unlink(missing_ok=True)  # a previous run's
         if self.env.is_main:
             Path(self.cfg.log_dir).mkdir(parents=True, exist_ok=True)
             (Path(self.cfg.log_dir) / "PREEMPTED").unlink(missing_ok=True)
@@ -807,6 +927,8 @@ class DDPTrainer:
             summary = self._finish(status)
         except BaseException as exc:
             self.log.error("training failed at step %d: %s: %s", self.global_step, type(exc).__name__, exc)
+            if not isinstance(exc, StepFailed):  # the original error: let the other ranks name it
+                rt.write_failure_marker(self.cfg.log_dir, self.env.rank, self.global_step + 1, exc)
             raise
         finally:
             stop_signal.restore()
@@ -834,9 +956,16 @@ class DDPTrainer:
             batches = iter(self.train_loader)
             self.loader_rng["current"] = gen.get_state()
             for i in range(start, self.steps_per_epoch):
-                micro = [next(batches) for _ in range(cfg.grad_accum_steps)]
+                micro = [next_batch(batches) for _ in range(cfg.grad_accum_steps)]
                 step_t = time.time()
-                r = self._train_step(micro, stop_signal)
+                try:
+                    r = self._train_step(micro, stop_signal)
+                except StepFailed:
+                    raise
+                except Exception as exc:  # a peer died or hung: say which and where, then fail
+                    raise self._explain_failure(exc) from exc
+                if self.global_step == 0:
+                    rt.set_collective_timeout(cfg.dist_timeout)
                 self.global_step += 1
                 self.step_in_epoch = i + 1
                 self.samples_seen += global_batch
@@ -861,6 +990,7 @@ class DDPTrainer:
                     break
             else:  # a full epoch
                 self.epoch += 1
+                self.epoch_data_errors = 0
                 self.step_in_epoch = 0
                 if not cfg.val_interval and self._validate():
                     return "early_stopped"
@@ -913,7 +1043,8 @@ class DDPTrainer:
         """A resumed run continues the same curves: drop records past the resume step."""
         if not self.metrics_path.exists():
             return
-        if self.resumed_from is None:
+        if self.resumed_from is None:  # a fresh run: keep the old curves, start a new file
+            os.replace(self.metrics_path, self.metrics_path.with_name(f"metrics.{int(time.time())}.jsonl"))
             return
         kept = []
         for line in self.metrics_path.read_text().splitlines():

@@ -7,6 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# One intra-op thread per process: tests run several processes at once on small machines, and
+# oversubscribed threads make each far slower than one thread alone. Children inherit this.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:

@@ -2,7 +2,9 @@
 
 import multiprocessing as mp
 import os
+import queue as queue_module
 import socket
+import time
 import traceback
 
 
@@ -31,17 +33,26 @@ def spawn(fn, world_size: int = 2, *args, timeout: float = 90.0) -> list:
     for p in procs:
         p.start()
     results = {}
+    deadline = time.time() + timeout
     try:
-        for _ in range(world_size):
-            rank, status, value = queue.get(timeout=timeout)
-            results[rank] = (status, value)
-    except Exception as exc:
-        raise TimeoutError(f"ranks did not all report within {timeout}s; got {sorted(results)}") from exc
+        while len(results) < world_size and time.time() < deadline:
+            try:
+                rank, status, value = queue.get(timeout=0.2)
+                results[rank] = (status, value)
+            except queue_module.Empty:
+                # A rank that died without reporting (os._exit, a signal) will never report.
+                if all(not p.is_alive() for p in procs) and queue.empty():
+                    break
     finally:
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+    missing = sorted(set(range(world_size)) - set(results))
+    if missing:
+        codes = {r: procs[r].exitcode for r in missing}
+        raise RuntimeError(f"ranks {missing} did not report (exit codes {codes}; timeout {timeout}s); "
+                           f"reports: {results}")
     errors = {r: v for r, (s, v) in results.items() if s == "error"}
     if errors:
         raise RuntimeError("\n".join(f"rank {r}: {v}" for r, v in sorted(errors.items())))

@@ -1,0 +1,242 @@
+"""Faults that must never hang or desynchronise a run (2 gloo ranks, bounded timeouts):
+every fault ends in the same decision on every rank at the same step, with its cause named."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.nn as nn
+
+import ddp_runtime as rt
+from conftest import clean_env, torchrun
+from dist_helpers import spawn
+from ddp_training import CausalLM, DDPTrainer, StepFailed, lm_loss, synthetic_lm_data, TrainConfig
+
+pytestmark = pytest.mark.multi
+
+CFG = dict(hidden_size=32, num_layers=1, num_heads=2, seq_len=16, dataset_size=256, batch_size=8, max_steps=12,
+           learning_rate=1e-2, warmup_steps=2, log_interval=100, val_interval=0, save_interval=0,
+           resume="none", device="cpu", dist_timeout=60)
+
+
+def cfg_for(root, **extra):
+    return {**CFG, "log_dir": str(Path(root) / "logs"), "checkpoint_dir": str(Path(root) / "ckpt"), **extra}
+
+
+class OnRank:
+    """lm_loss, except that on `rank` at training step `step` it does `what`."""
+
+    def __init__(self, rank, my_rank, step, what):
+        self.hit = rank == my_rank
+        self.step, self.what, self.calls = step, what, 0
+
+    def __call__(self, model, batch):
+        self.calls += model.training
+        s, c = lm_loss(model, batch)
+        if self.hit and model.training and self.calls == self.step:
+            if self.what == "nan":
+                return s * float("nan"), c
+            if self.what == "raise":
+                raise ValueError("injected failure in forward")
+            if self.what == "raise_in_backward":
+                return BreakInBackward.apply(s), c
+            if self.what == "exit":
+                os._exit(3)
+        return s, c
+
+
+class BreakInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("injected failure in backward")
+
+
+def _run(rank, world_size, root, bad_rank, step, what, extra=None):
+    t0 = time.time()
+    cfg = cfg_for(root, **(extra or {}))
+    try:
+        s = DDPTrainer(rank=rank, world_size=world_size, config=cfg,
+                       loss_fn=OnRank(bad_rank, rank, step, what)).train()
+        return {"status": s["status"], "steps": s["steps"], "skipped": s["skipped_steps"],
+                "digests": rt.parameter_digests(_final_model(root)), "seconds": time.time() - t0}
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.time() - t0}
+
+
+def _final_model(root):
+    ck = torch.load(Path(root) / "ckpt" / "model_final.pt", weights_only=True)
+    m = CausalLM(**ck["model_config"])
+    m.load_state_dict(ck["model"])
+    return m
+
+
+def test_nan_on_one_rank_skips_the_same_step_everywhere(tmp_path):
+    r0, r1 = spawn(_run, 2, str(tmp_path), 1, 3, "nan")
+    assert r0["status"] == r1["status"] == "completed" and r0["skipped"] == r1["skipped"] == 1
+    records = [json.loads(x) for x in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("skipped")] == [3]
+    final = _final_model(tmp_path)
+    assert all(torch.isfinite(p).all() for p in final.parameters())
+    for rank in (0, 1):
+        assert "non-finite loss or gradients at step 3" in (tmp_path / "logs" / f"rank_{rank}.log").read_text()
+
+
+def test_exception_on_one_rank_stops_every_rank_with_its_message(tmp_path):
+    r0, r1 = spawn(_run, 2, str(tmp_path), 1, 4, "raise", timeout=60)
+    for r in (r0, r1):
+        assert r["error"].startswith("StepFailed: step 4 failed on rank 1: ValueError: injected failure in forward")
+        assert r["seconds"] < 30
+    assert "rank 1: ValueError: injected failure in forward" in (tmp_path / "logs" / "rank_0.log").read_text()
+    assert not (tmp_path / "ckpt" / "model_final.pt").exists()
+
+
+def test_failure_in_backward_on_one_rank_is_named_on_the_other(tmp_path):
+    r0, r1 = spawn(_run, 2, str(tmp_path), 1, 4, "raise_in_backward", timeout=60)
+    assert "injected failure in backward" in r1["error"]
+    assert "rank 1" in r0["error"] and "injected failure in backward" in r0["error"], r0
+    assert r0["seconds"] < 30
+
+
+def test_a_rank_that_dies_does_not_hang_the_other(tmp_path):
+    t0 = time.time()
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] did not report \(exit codes \{1: 3\}"):
+        spawn(_run, 2, str(tmp_path), 1, 4, "exit", timeout=60)
+    assert time.time() - t0 < 30
+    log = (tmp_path / "logs" / "rank_0.log").read_text()
+    assert "step 4:" in log and "training failed" in log
+
+
+class FlakyData(torch.utils.data.Dataset):
+    """The Markov sequences, with some samples that fail to load."""
+
+    def __init__(self, base, bad):
+        self.base, self.bad = base, set(bad)
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        if i in self.bad:
+            raise OSError(f"sample {i} unreadable")
+        return self.base[i]
+
+
+def _flaky(rank, world_size, root, max_errors):
+    data = synthetic_lm_data(TrainConfig.from_dict(CFG))
+    cfg = cfg_for(root, max_errors_per_epoch=max_errors)
+    try:
+        s = DDPTrainer(rank=rank, world_size=world_size, config=cfg, model=CausalLM(64, 32, 1, 2, 16),
+                       train_dataset=FlakyData(data.train, bad=range(0, 256, 37)), val_dataset=data.val).train()
+        return {"status": s["status"], "steps": s["steps"]}
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def test_data_errors_are_counted_collectively(tmp_path):
+    ok = spawn(_flaky, 2, str(tmp_path / "a"), 10)
+    assert ok == [{"status": "completed", "steps": 12}] * 2
+    assert "failed to load" in (tmp_path / "a" / "logs" / "rank_0.log").read_text()
+    failed = spawn(_flaky, 2, str(tmp_path / "b"), 0)
+    for r in failed:
+        assert "StepFailed" in r["error"] and "unreadable" in r["error"] and "max_errors_per_epoch=0" in r["error"]
+
+
+class TwoHeads(nn.Module):
+    """A model whose second head never takes part in the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm = CausalLM(64, 32, 1, 2, 16)
+        self.unused_head = nn.Linear(32, 3)
+
+    def forward(self, x):
+        return self.lm(x)
+
+
+def _unused(rank, world_size, root, find_unused):
+    data = synthetic_lm_data(TrainConfig.from_dict(CFG))
+    try:
+        s = DDPTrainer(rank=rank, world_size=world_size, model=TwoHeads(), train_dataset=data.train,
+                       val_dataset=data.val, config=cfg_for(root, find_unused_parameters=find_unused)).train()
+        return s["status"]
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_unused_parameters_fail_at_the_first_step_with_names_and_the_flag(tmp_path):
+    for msg in spawn(_unused, 2, str(tmp_path / "a"), False):
+        assert msg.startswith("StepFailed: step 1 failed")
+        assert "unused_head.weight" in msg and "unused_head.bias" in msg and "find_unused_parameters" in msg
+        assert "Expected to have finished reduction" not in msg
+    assert spawn(_unused, 2, str(tmp_path / "b"), True) == ["completed", "completed"]
+
+
+class Numbers(torch.utils.data.Dataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i)])
+
+
+def _uneven(rank, world_size):
+    rt.setup_distributed(rank, world_size, device="cpu")
+    try:
+        train = rt.build_dataloader(Numbers(101), 10, train=True, rank=rank, world_size=world_size, seed=0)
+        val = rt.build_dataloader(Numbers(101), 10, train=False, rank=rank, world_size=world_size, seed=0)
+        from ddp_training import evaluate_model
+        model = nn.Identity()
+        res = evaluate_model(model, val, lambda m, b: (m(b).sum(), len(b)), torch.device("cpu"))
+        return len(train), res
+    finally:
+        rt.teardown_distributed()
+
+
+def test_uneven_shards_equal_steps_and_exact_validation(tmp_path):
+    (steps0, val0), (steps1, val1) = spawn(_uneven, 2)
+    assert steps0 == steps1 == 5  # 101 samples -> 50 per rank -> 5 full batches each
+    assert val0 == val1 and val0["count"] == 101 and val0["loss"] == pytest.approx(50.0)  # mean of 0..100
+
+
+def test_a_stopped_rank_turns_into_a_timeout_error_on_the_others(tmp_path):
+    cmd = torchrun(2, "ddp_training.py", "--cpu", "--test", "--max_steps", "100000", "--val_interval", "0",
+                   "--dist_timeout", "10", "--resume", "none", "--log_dir", "logs", "--checkpoint_dir", "ckpt")
+    agent = subprocess.Popen(cmd, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    stopped = None
+    try:
+        metrics = tmp_path / "logs" / "metrics.jsonl"
+        deadline = time.time() + 90
+        while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 5):
+            time.sleep(0.1)
+        for child in psutil.Process(agent.pid).children(recursive=True):
+            if child.environ().get("RANK") == "1":
+                stopped = child
+        stopped.send_signal(signal.SIGSTOP)
+        t0 = time.time()
+        log0 = tmp_path / "logs" / "rank_0.log"
+        while time.time() - t0 < 10 + 30 and "did not complete within dist_timeout" not in log0.read_text():
+            time.sleep(0.2)
+        elapsed = time.time() - t0
+        text = log0.read_text()
+        assert "did not complete within dist_timeout=10s" in text, text[-2000:]
+        assert elapsed < 10 + 30
+        assert "monitored_barrier" in text
+    finally:
+        if stopped is not None and stopped.is_running():
+            stopped.send_signal(signal.SIGCONT)
+        os.killpg(agent.pid, signal.SIGKILL)
+        agent.communicate()

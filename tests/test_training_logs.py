@@ -1,0 +1,253 @@
+"""training_logs.py over real run directories: two short CPU trainings made once for the module."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import training_logs as tl
+from conftest import LAUNCH_VARS, REPO, clean_env
+from ddp_training import DDPTrainer
+
+LRS = {"lr_3e-3": 3e-3, "lr_1e-2": 1e-2}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """root/lr_3e-3 and root/lr_1e-2: 20 steps each, validation every 5."""
+    root = tmp_path_factory.mktemp("runs")
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as mp:
+        for var in LAUNCH_VARS:  # a plain single process, whatever launched pytest
+            mp.delenv(var, raising=False)
+        # One intra-op thread: on a small shared machine more threads only wait on each other.
+        mp.setenv("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(1)
+        try:
+            for name, lr in LRS.items():
+                run = root / name
+                DDPTrainer(rank=0, world_size=1, config={
+                    "hidden_size": 32, "num_layers": 1, "num_heads": 2, "seq_len": 16, "dataset_size": 256,
+                    "batch_size": 16, "max_steps": 20, "val_interval": 5, "learning_rate": lr, "device": "cpu",
+                    "resume": "none", "log_dir": str(run), "checkpoint_dir": str(run / "ckpt")}).train()
+        finally:
+            torch.set_num_threads(threads)
+    return root
+
+
+def records(run_dir, kind):
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["type"] == kind]
+
+
+def summary_record(run_dir):
+    (rec,) = records(run_dir, "summary")
+    return rec
+
+
+def copy_run(runs, tmp_path, name="lr_3e-3"):
+    dst = tmp_path / name
+    shutil.copytree(runs / name, dst, ignore=shutil.ignore_patterns("ckpt"))
+    return dst
+
+
+def png_size(path):
+    data = Path(path).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big"), len(data)
+
+
+# ----------------------------------------------------------------------------
+# summary
+# ----------------------------------------------------------------------------
+
+def test_summary_json_has_the_runs_values(runs, capsys):
+    dirs = [str(runs / n) for n in LRS]
+    assert tl.main(["summary", *dirs, "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in rows] == list(LRS)
+    for row, d in zip(rows, dirs):
+        s = summary_record(d)
+        assert row["status"] == "completed" and row["steps"] == 20 == s["steps"]
+        assert row["final_val_loss"] == s["final_val_loss"] == records(d, "val")[-1]["val_loss"]
+        assert row["best_val_loss"] == s["best_val_loss"] == min(r["val_loss"] for r in records(d, "val"))
+        assert row["test_loss"] == s["test_loss"]
+        assert row["wall_time_s"] == s["wall_time_s"] and row["samples_per_s"] == s["samples_per_s"]
+        assert row["world_size"] == 1
+        assert row["peak_mem_gb"] >= s["peak_rss_gb"] > 0
+    # the two learning rates really made two different runs
+    assert rows[0]["final_val_loss"] != rows[1]["final_val_loss"]
+
+
+def test_summary_one_line_and_table(runs, capsys):
+    d = runs / "lr_1e-2"
+    s = summary_record(d)
+    assert tl.main(["summary", str(d)]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("lr_1e-2: completed, 20 steps, ")
+    assert f"val {s['final_val_loss']:.4f}" in line and f"(best {s['best_val_loss']:.4f})" in line
+
+    assert tl.main(["summary", str(runs / "lr_3e-3"), str(d), "--format", "table"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 4 and lines[0].startswith("| name ") and set(lines[1]) <= set("|-:")
+    assert len({len(x) for x in lines}) == 1, "columns are not aligned"
+    cells = [c.strip() for c in lines[3].strip("|").split("|")]
+    row = dict(zip(tl.SUMMARY_FIELDS, cells))
+    assert row["name"] == "lr_1e-2" and row["steps"] == "20" and row["status"] == "completed"
+    assert row["final_val_loss"] == f"{s['final_val_loss']:.4f}"
+
+
+def test_summary_all_via_cli(runs):
+    out = subprocess.run([sys.executable, str(REPO / "training_logs.py"), "summary", "--all", str(runs),
+                          "--format", "json"], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)
+    assert sorted(r["name"] for r in rows) == sorted(LRS)
+    for r in rows:
+        assert r["final_val_loss"] == summary_record(runs / r["name"])["final_val_loss"]
+    # summary works where matplotlib is missing: it never imports it
+    code = (f"import sys, training_logs; training_logs.main(['summary', {str(runs / 'lr_3e-3')!r}]); "
+            "assert 'matplotlib' not in sys.modules")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("lr_3e-3: completed, 20 steps")
+
+
+def test_incomplete_run_is_summarised_from_its_records(runs, tmp_path, capsys):
+    d = copy_run(runs, tmp_path)
+    path = d / "metrics.jsonl"
+    kept = [l for l in path.read_text().splitlines() if json.loads(l)["type"] != "summary"]
+    path.write_text("\n".join(kept[:-3]) + "\n")  # killed after step 18 or so
+    assert tl.main(["summary", str(d), "--format", "json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    vals = [r["val_loss"] for r in records(d, "val")]
+    train = records(d, "train")
+    assert row["status"] == "incomplete"
+    assert row["steps"] == train[-1]["step"] < 20
+    assert row["final_val_loss"] == vals[-1] and row["best_val_loss"] == min(vals)
+    assert row["wall_time_s"] == pytest.approx(max(r["time"] for r in train + records(d, "val")))
+    assert row["world_size"] == 1  # from rank_0.log
+    assert row["test_loss"] is None
+
+
+# ----------------------------------------------------------------------------
+# plot
+# ----------------------------------------------------------------------------
+
+PLOTS = {
+    "loss_curves": ["--loss-curves"],
+    "metrics_grid": ["--metrics", "loss,val_loss,lr,grad_norm,tokens_per_s"],
+    "compare": ["--compare"],
+    "smooth": ["--compare", "--smooth", "5"],
+    "x_time": ["--x", "time"],
+    "x_epoch_log_y": ["--x", "epoch", "--log-y"],
+}
+
+
+@pytest.mark.parametrize("name", PLOTS)
+def test_plot_writes_a_png(runs, tmp_path, name):
+    out = tmp_path / f"{name}.png"
+    assert tl.main(["plot", *(str(runs / n) for n in LRS), "--output", str(out), *PLOTS[name]]) == 0
+    width, height, size = png_size(out)
+    assert width >= 400 and height >= 300 and size > 10_000
+
+
+def test_plotted_series_come_from_the_run(runs):
+    d = runs / "lr_1e-2"
+    run = tl.load_run(d)
+    train, val = records(d, "train"), records(d, "val")
+    assert tl.series(run, "loss") == ([r["step"] for r in train], [r["loss"] for r in train])
+    assert tl.series(run, "val_loss") == ([r["step"] for r in val], [r["val_loss"] for r in val])
+    assert tl.series(run, "lr", x="time") == ([r["time"] for r in train], [r["lr"] for r in train])
+    # smoothing: trailing mean over 5 points, train curves only
+    xs, ys = tl.series(run, "loss", smooth=5)
+    losses = [r["loss"] for r in train]
+    assert len(ys) == 20 and ys[0] == losses[0]
+    assert ys[10] == pytest.approx(sum(losses[6:11]) / 5)
+    assert tl.series(run, "val_loss", smooth=5)[1] == [r["val_loss"] for r in val]
+    # epoch axis: fractional, consistent with the whole epochs the trainer logged
+    xs, _ = tl.series(run, "loss", x="epoch")
+    assert all(int((s - 1) // run.steps_per_epoch) == r["epoch"] for s, r in zip([r["step"] for r in train], train))
+    assert xs == [r["step"] / run.steps_per_epoch for r in train]
+
+
+# ----------------------------------------------------------------------------
+# bad input
+# ----------------------------------------------------------------------------
+
+def test_directory_without_metrics(tmp_path, capsys):
+    assert tl.main(["summary", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "no metrics.jsonl" in err and str(tmp_path) in err
+    assert tl.main(["summary", "--all", str(tmp_path)]) == 2
+    assert "no metrics.jsonl anywhere" in capsys.readouterr().err
+
+
+def test_empty_metrics_file(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert tl.main(["plot", str(tmp_path), "--output", str(tmp_path / "x.png")]) == 2
+    assert "is empty" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_truncated_last_line_warns_and_works(runs, tmp_path, capsys):
+    d = copy_run(runs, tmp_path)
+    path = d / "metrics.jsonl"
+    text = path.read_text()
+    n = len(text.splitlines())
+    path.write_text(text + '{"type": "train", "step": 21, "epoch": 1, "lo')  # killed mid-write
+    assert tl.main(["summary", str(d), "--format", "json"]) == 0
+    out = capsys.readouterr()
+    assert f"{path}:{n + 1}" in out.err and "cut short" in out.err
+    assert json.loads(out.out)[0]["final_val_loss"] == summary_record(runs / "lr_3e-3")["final_val_loss"]
+    assert tl.main(["plot", str(d), "--output", str(tmp_path / "t.png")]) == 0
+    assert png_size(tmp_path / "t.png")[2] > 10_000
+
+
+def test_bad_line_in_the_middle_is_an_error(runs, tmp_path, capsys):
+    d = copy_run(runs, tmp_path)
+    path = d / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    lines[4] = lines[4][:30]
+    path.write_text("\n".join(lines) + "\n")
+    assert tl.main(["summary", str(d)]) == 2
+    assert f"{path}:5: not a JSON record" in capsys.readouterr().err
+
+
+def test_unknown_metric_names_the_available_ones(runs, tmp_path, capsys):
+    out = tmp_path / "m.png"
+    assert tl.main(["plot", str(runs / "lr_3e-3"), "--metrics", "loss,nope", "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown metric nope" in err
+    for name in ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s"):
+        assert name in err
+    assert not out.exists()
+
+
+def test_reused_log_dir_and_resume_time(runs, tmp_path, capsys):
+    """A fresh run appended to an old one keeps only the newest; time restarting at a resume is stitched."""
+    d = copy_run(runs, tmp_path)
+    path = d / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines + lines) + "\n")  # the same run twice: log_dir reused without resume
+    run = tl.load_run(d)
+    assert "more than one run" in capsys.readouterr().err
+    assert [r["step"] for r in run.train] == list(range(1, 21)) and run.summary is not None
+
+    # as if resumed after step 10: later records count time from ~0 again
+    recs = [json.loads(l) for l in lines]
+    cut = next(i for i, r in enumerate(recs) if r.get("step") == 11)
+    t_cut = recs[cut - 1]["time"]
+    for r in recs[cut:]:
+        if "time" in r:
+            r["time"] -= recs[cut]["time"] - 0.01
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    xs, _ = tl.series(tl.load_run(d), "loss", x="time")
+    assert xs == sorted(xs) and xs[10] == pytest.approx(t_cut + 0.01)

@@ -1,0 +1,486 @@
+"""
+Summarise and plot training runs from their run directories.
+
+A run directory is whatever `log_dir` a trainer wrote to: `metrics.jsonl` (one JSON record per line,
+"type" train / val / summary), `config.yaml` and `rank_N.log`. Only metrics.jsonl is required.
+
+    python training_logs.py summary runs/a runs/b --format table
+    python training_logs.py summary --all runs --format json
+    python training_logs.py plot runs/a runs/b --compare --smooth 5 --output curves.png
+    python training_logs.py plot runs/a --metrics loss,grad_norm,lr --x time --output grid.png
+
+Plot layout: the default loss-curve figure has one row per run (train loss, val loss, learning rate on a
+second y axis); --compare puts every run in one axes instead. A --metrics grid has one subplot per metric
+and always overlays the runs. Bad input (no metrics.jsonl, an empty file, a corrupt line, an unknown metric)
+exits with status 2 and a message; a cut-short last line (a run killed mid-write) only warns.
+
+Everything the CLI does is importable: load_run, summarize, format_summaries, series, plot_loss_curves,
+plot_metrics.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+METRICS_FILE = "metrics.jsonl"
+# Keys of train/val records that are coordinates or labels, not metrics to plot.
+NOT_METRICS = {"type", "step", "epoch", "time"}
+# Every memory peak a trainer may log; "peak memory" is the largest of them.
+PEAK_KEYS = ("cpu_peak_rss_gb", "peak_rss_gb", "cuda_peak_gb")
+SUMMARY_FIELDS = ("name", "status", "steps", "final_val_loss", "best_val_loss", "test_loss", "wall_time_s",
+                  "samples_per_s", "world_size", "peak_mem_gb")
+
+
+class LogError(Exception):
+    """Bad input. The CLI prints the message (no traceback) and exits with status 2."""
+
+
+def warn(msg: str) -> None:
+    print(f"warning: {msg}", file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------
+# Reading runs
+# ----------------------------------------------------------------------------
+
+@dataclass
+class Run:
+    name: str
+    path: Path
+    train: list = field(default_factory=list)
+    val: list = field(default_factory=list)
+    summary: Optional[dict] = None
+    steps_per_epoch: Optional[int] = None
+
+    def records(self, kind: str) -> list:
+        return self.train if kind == "train" else self.val
+
+
+def read_metrics(path) -> list:
+    """The records of one metrics.jsonl, in file order.
+
+    A last line that does not parse is what a run killed mid-write leaves behind: it is skipped with a
+    warning. A bad line anywhere else means the file is damaged, and that is an error.
+    """
+    path = Path(path)
+    lines = path.read_text().splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    if not lines:
+        raise LogError(f"{path} is empty (the run wrote no records yet)")
+    records = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if lineno == len(lines):
+                warn(f"{path}:{lineno}: last line is cut short (run killed mid-write?); skipped")
+                continue
+            raise LogError(f"{path}:{lineno}: not a JSON record ({exc.msg}): {line[:80]!r}") from None
+        if not isinstance(rec, dict) or "type" not in rec:
+            raise LogError(f"{path}:{lineno}: expected a JSON object with a \"type\" key, got {line[:80]!r}")
+        records.append(rec)
+    if not records:
+        raise LogError(f"{path} holds no complete record")
+    return records
+
+
+def last_session(records: list, path) -> list:
+    """Drop earlier runs when one log_dir was reused without resuming.
+
+    A resumed run truncates metrics.jsonl to its resume step, so steps only go up. A fresh run in the same
+    directory appends, so its step 1 follows the old run's records (or the old run's summary).
+    """
+    start, last_step, after_summary = 0, 0, False
+    for i, rec in enumerate(records):
+        if rec["type"] == "summary":
+            after_summary = True
+            continue
+        if rec["type"] == "train":
+            if after_summary or rec.get("step", 0) <= last_step:
+                start = i
+            last_step = rec.get("step", 0)
+        after_summary = False
+    if start:
+        warn(f"{path} holds more than one run (log_dir reused without resume); using the last, from record "
+             f"{start + 1}")
+    return records[start:]
+
+
+def add_elapsed(records: list) -> None:
+    """Give every record "_elapsed": its "time" made continuous across resumes.
+
+    "time" counts from the start of the current process, so it falls back to ~0 after a resume.
+    """
+    offset, prev = 0.0, 0.0
+    for rec in records:
+        t = rec.get("time")
+        if not isinstance(t, (int, float)):
+            continue
+        if t + offset < prev:
+            offset = prev
+        rec["_elapsed"] = t + offset
+        prev = rec["_elapsed"]
+
+
+def infer_steps_per_epoch(train: list) -> Optional[int]:
+    """Optimizer steps per epoch, from the first train record past an epoch boundary.
+
+    Step s of epoch e (counting steps from 1 over the whole run) satisfies s = e * steps_per_epoch + i with
+    1 <= i <= steps_per_epoch, so the first record of epoch e >= 1 pins it down.
+    """
+    for rec in train:
+        e, s = rec.get("epoch"), rec.get("step")
+        if isinstance(e, int) and e >= 1 and isinstance(s, int):
+            return max(1, (s - 1) // e)
+    return None
+
+
+def load_run(run_dir, name: Optional[str] = None) -> Run:
+    run_dir = Path(run_dir)
+    path = run_dir / METRICS_FILE
+    if not run_dir.is_dir():
+        raise LogError(f"{run_dir}: no such directory")
+    if not path.is_file():
+        raise LogError(f"{run_dir}: no {METRICS_FILE} here (not a run directory? "
+                       f"`summary --all {run_dir}` searches below it)")
+    records = last_session(read_metrics(path), path)
+    add_elapsed(records)
+    run = Run(name=name or run_dir.resolve().name, path=run_dir)
+    for rec in records:
+        if rec["type"] == "train":
+            run.train.append(rec)
+        elif rec["type"] == "val":
+            run.val.append(rec)
+        elif rec["type"] == "summary":
+            run.summary = rec
+        # other types: written by a newer trainer; ignore rather than fail
+    if not run.train and not run.val and run.summary is None:
+        raise LogError(f"{path} holds no train, val or summary record")
+    run.steps_per_epoch = infer_steps_per_epoch(run.train)
+    return run
+
+
+def find_runs(root) -> list:
+    """Every directory under root (root included) that holds a metrics.jsonl, sorted."""
+    root = Path(root)
+    if not root.is_dir():
+        raise LogError(f"{root}: no such directory")
+    found = sorted(Path(d) for d, _, files in os.walk(root) if METRICS_FILE in files)
+    if not found:
+        raise LogError(f"no {METRICS_FILE} anywhere under {root}")
+    return found
+
+
+def load_runs(dirs=(), root=None) -> list:
+    """Runs named by the directory name; the path is used instead where names would collide."""
+    named = []
+    if root is not None:
+        for d in find_runs(root):
+            rel = d.relative_to(root)
+            named.append((d, str(rel) if rel.parts else Path(root).resolve().name))
+    named += [(Path(d), Path(d).resolve().name) for d in dirs]
+    if not named:
+        raise LogError("no run directories given (name some, or use --all ROOT)")
+    names = [n for _, n in named]
+    return [load_run(d, n if names.count(n) == 1 else str(d)) for d, n in named]
+
+
+# ----------------------------------------------------------------------------
+# summary
+# ----------------------------------------------------------------------------
+
+def _finite(values) -> list:
+    return [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+
+
+def summarize(run: Run) -> dict:
+    """One run's headline numbers. Without a summary record (still running, or killed) they are rebuilt
+    from the train/val records and the status is "incomplete"."""
+    s = run.summary or {}
+    vals = _finite(r.get("val_loss") for r in run.val)
+    everything = run.train + run.val + ([s] if s else [])
+    peaks = _finite(r.get(k) for r in everything for k in PEAK_KEYS)
+    elapsed = _finite(r.get("_elapsed") for r in run.train + run.val)
+    # A per-step rate, so it leaves out validation and checkpoint time: a little higher than the
+    # end-to-end rate a finished run reports.
+    rates = _finite(r.get("samples_per_s") for r in run.train)
+    out = {
+        "name": run.name,
+        "status": s.get("status", "incomplete"),
+        "steps": s.get("steps", max((r.get("step", 0) for r in run.train), default=0)),
+        "final_val_loss": s["final_val_loss"] if s.get("final_val_loss") is not None
+        else (vals[-1] if vals else None),
+        "best_val_loss": s["best_val_loss"] if s.get("best_val_loss") is not None
+        else (min(vals) if vals else None),
+        "test_loss": s.get("test_loss"),
+        "wall_time_s": s["wall_time_s"] if "wall_time_s" in s else (max(elapsed) if elapsed else None),
+        "samples_per_s": s["samples_per_s"] if s.get("samples_per_s") is not None
+        else (sum(rates) / len(rates) if rates else None),
+        # One rank_N.log per rank is the only trace of the world size before the summary is written.
+        "world_size": s.get("world_size") or (len(list(run.path.glob("rank_*.log"))) or None),
+        "peak_mem_gb": max(peaks) if peaks else None,
+    }
+    return out
+
+
+def _fmt(key: str, v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if key.endswith("loss"):
+            return f"{v:.4f}"
+        if key == "peak_mem_gb":
+            return f"{v:.2f}"
+        return f"{v:.1f}"
+    return str(v)
+
+
+def format_summaries(rows: list, fmt: str = "one-line") -> str:
+    if fmt == "json":
+        return json.dumps(rows, indent=2)
+    if fmt == "one-line":
+        lines = []
+        for r in rows:
+            f = {k: _fmt(k, r[k]) for k in SUMMARY_FIELDS}
+            lines.append(f"{f['name']}: {f['status']}, {f['steps']} steps, val {f['final_val_loss']} "
+                         f"(best {f['best_val_loss']}), test {f['test_loss']}, {f['wall_time_s']} s, "
+                         f"{f['samples_per_s']} samples/s, world {f['world_size']}, peak {f['peak_mem_gb']} GB")
+        return "\n".join(lines)
+    if fmt == "table":
+        cells = [[_fmt(k, r[k]) for k in SUMMARY_FIELDS] for r in rows]
+        widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(SUMMARY_FIELDS)]
+        numeric = [k not in ("name", "status") for k in SUMMARY_FIELDS]
+
+        def line(vals):
+            return "| " + " | ".join(v.rjust(w) if num else v.ljust(w)
+                                     for v, w, num in zip(vals, widths, numeric)) + " |"
+        rule = "|" + "|".join("-" * (w + 1) + ":" if num else "-" * (w + 2) for w, num in zip(widths, numeric)) + "|"
+        return "\n".join([line(SUMMARY_FIELDS), rule] + [line(c) for c in cells])
+    raise ValueError(f"unknown format {fmt!r}")
+
+
+# ----------------------------------------------------------------------------
+# plot
+# ----------------------------------------------------------------------------
+
+def available_metrics(runs: list) -> dict:
+    """metric name -> "train" or "val": the record type it is plotted from (train wins if both)."""
+    out = {}
+    for kind in ("val", "train"):
+        for run in runs:
+            for rec in run.records(kind):
+                for k, v in rec.items():
+                    if k not in NOT_METRICS and not k.startswith("_") and isinstance(v, (int, float)):
+                        out[k] = kind
+    return out
+
+
+def moving_average(ys: list, n: int) -> list:
+    """Trailing mean over n points; the window is shorter at the start so no point is lost."""
+    out, total = [], 0.0
+    for i, y in enumerate(ys):
+        total += y
+        if i >= n:
+            total -= ys[i - n]
+        out.append(total / min(i + 1, n))
+    return out
+
+
+def x_value(run: Run, rec: dict, x: str):
+    if x == "step":
+        return rec.get("step")
+    if x == "time":
+        return rec.get("_elapsed")
+    if x == "epoch":
+        # Logged epochs are whole numbers; step / steps_per_epoch gives the position inside the epoch.
+        if run.steps_per_epoch and isinstance(rec.get("step"), (int, float)):
+            return rec["step"] / run.steps_per_epoch
+        return rec.get("epoch")
+    raise ValueError(f"unknown x axis {x!r}")
+
+
+def series(run: Run, metric: str, x: str = "step", smooth: int = 1, kind: Optional[str] = None):
+    """The (xs, ys) plotted for one metric of one run.
+
+    kind is the record type to read ("train"/"val"); by default the one that holds the metric. Points whose
+    value is missing or not finite (a skipped non-finite step) are left out, so a moving average is not
+    poisoned by them. Only train series are smoothed: validation points are few and already averages.
+    """
+    if kind is None:
+        kind = "train" if any(metric in r for r in run.train) else "val"
+    xs, ys = [], []
+    for rec in run.records(kind):
+        v, xv = rec.get(metric), x_value(run, rec, x)
+        if isinstance(v, (int, float)) and math.isfinite(v) and xv is not None:
+            xs.append(xv)
+            ys.append(float(v))
+    if kind == "train" and smooth > 1:
+        ys = moving_average(ys, smooth)
+    return xs, ys
+
+
+X_LABELS = {"step": "step", "time": "time (s)", "epoch": "epoch"}
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")  # files only; no display needed
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _log_y(ax) -> None:
+    from matplotlib import ticker
+    ax.set_yscale("log")
+    # Losses usually span less than a decade: plain numbers read better than 4 x 10^0.
+    ax.yaxis.set_major_formatter(ticker.LogFormatter(labelOnlyBase=False))
+    ax.yaxis.set_minor_formatter(ticker.LogFormatter(labelOnlyBase=False))
+
+
+def _loss_axes(ax, runs: list, x: str, smooth: int, log_y: bool, colors) -> list:
+    """Train loss, val loss and (on a twin axis) the learning rate of `runs`, one colour per run."""
+    lr_ax = ax.twinx()
+    lr_ax.set_ylabel("learning rate")
+    handles = []
+    for run, c in zip(runs, colors):
+        tag = f"{run.name}: " if len(runs) > 1 else ""
+        if smooth > 1:
+            ax.plot(*series(run, "loss", x), color=c, alpha=0.25, linewidth=0.8)
+        xs, ys = series(run, "loss", x, smooth)
+        handles += ax.plot(xs, ys, color=c, label=f"{tag}train loss" + (f" (avg {smooth})" if smooth > 1 else ""))
+        xs, ys = series(run, "val_loss", x)
+        if xs:
+            handles += ax.plot(xs, ys, color=c, linestyle="--", marker="o", markersize=4, label=f"{tag}val loss")
+        xs, ys = series(run, "lr", x)
+        if xs:
+            handles += lr_ax.plot(xs, ys, color=c, linestyle="-.", linewidth=1, alpha=0.6, label=f"{tag}lr")
+    ax.set_xlabel(X_LABELS[x])
+    ax.set_ylabel("loss")
+    if log_y:
+        _log_y(ax)
+    ax.grid(alpha=0.3)
+    # Outside the axes: train loss falls from the top left while a warmup lr climbs from the bottom left,
+    # so no corner inside is reliably free.
+    ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.1, 1.0), borderaxespad=0)
+    return handles
+
+
+def _title(runs: list) -> str:
+    """Run names, with the data's loss floor where the trainer logged one: drawn as a line it would squash
+    the curves whenever training is far from it."""
+    parts = []
+    for run in runs:
+        floors = _finite(r.get("loss_floor") for r in run.val)
+        parts.append(run.name + (f" (loss floor {floors[-1]:.4g})" if floors else ""))
+    return ", ".join(parts)
+
+
+def plot_loss_curves(runs: list, output, x: str = "step", smooth: int = 1, compare: bool = False,
+                     log_y: bool = False) -> None:
+    plt = _pyplot()
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = [colors[i % len(colors)] for i in range(len(runs))]
+    groups = [(runs, colors)] if compare or len(runs) == 1 else [([r], [c]) for r, c in zip(runs, colors)]
+    fig, axes = plt.subplots(len(groups), 1, figsize=(12, 4.5 * len(groups)), squeeze=False)
+    for ax, (group, cs) in zip(axes[:, 0], groups):
+        _loss_axes(ax, group, x, smooth, log_y, cs)
+        ax.set_title(_title(group))
+    fig.tight_layout()
+    fig.savefig(output, dpi=100)
+    plt.close(fig)
+
+
+def plot_metrics(runs: list, metrics: list, output, x: str = "step", smooth: int = 1,
+                 log_y: bool = False) -> None:
+    known = available_metrics(runs)
+    unknown = [m for m in metrics if m not in known]
+    if unknown:
+        raise LogError(f"unknown metric {', '.join(unknown)}; these runs log: {', '.join(sorted(known))}")
+    plt = _pyplot()
+    ncols = min(3, len(metrics))
+    nrows = math.ceil(len(metrics) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 3.8 * nrows), squeeze=False)
+    for ax, metric in zip(axes.flat, metrics):
+        for run in runs:
+            xs, ys = series(run, metric, x, smooth, kind=known[metric])
+            if xs:
+                ax.plot(xs, ys, label=run.name, marker="o" if known[metric] == "val" else None, markersize=3)
+        ax.set_title(metric + (f" (avg {smooth})" if smooth > 1 and known[metric] == "train" else ""))
+        ax.set_xlabel(X_LABELS[x])
+        if log_y:
+            _log_y(ax)
+        ax.grid(alpha=0.3)
+        if len(runs) > 1:
+            ax.legend(fontsize=8)
+    for ax in axes.flat[len(metrics):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(output, dpi=100)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="training_logs.py", description="Summarise and plot training runs.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def add_runs(sp):
+        sp.add_argument("runs", nargs="*", metavar="RUN_DIR", help="run directories (each holds metrics.jsonl)")
+        sp.add_argument("--all", metavar="ROOT", help="every directory under ROOT that holds metrics.jsonl")
+
+    s = sub.add_parser("summary", help="one line per run: steps, val loss, time, throughput, memory, status")
+    add_runs(s)
+    s.add_argument("--format", choices=("one-line", "table", "json"), default="one-line",
+                   help="table: aligned markdown; json: one list")
+
+    pl = sub.add_parser("plot", help="loss curves or a grid of logged metrics, to a PNG")
+    add_runs(pl)
+    pl.add_argument("--output", "-o", required=True, metavar="FILE.png")
+    what = pl.add_mutually_exclusive_group()
+    what.add_argument("--loss-curves", action="store_true",
+                      help="train/val loss and learning rate vs x, one row per run (default)")
+    what.add_argument("--metrics", metavar="A,B,C", help="one subplot per metric, runs overlaid")
+    pl.add_argument("--compare", action="store_true", help="loss curves of all runs in one axes")
+    pl.add_argument("--smooth", type=int, default=1, metavar="N", help="moving average of train curves over N points")
+    pl.add_argument("--x", choices=("step", "time", "epoch"), default="step", help="x axis")
+    pl.add_argument("--log-y", action="store_true", help="log scale for losses/metrics")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        runs = load_runs(args.runs, args.all)
+        if args.command == "summary":
+            print(format_summaries([summarize(r) for r in runs], args.format))
+            return 0
+        if args.smooth < 1:
+            raise LogError("--smooth must be at least 1")
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        if args.metrics:
+            metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
+            if not metrics:
+                raise LogError("--metrics needs at least one name")
+            plot_metrics(runs, metrics, args.output, args.x, args.smooth, args.log_y)
+        else:
+            plot_loss_curves(runs, args.output, args.x, args.smooth, args.compare, args.log_y)
+        print(f"wrote {args.output}")
+        return 0
+    except LogError as exc:
+        print(f"training_logs.py: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
