@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
 import random
@@ -87,14 +88,16 @@ class TrainConfig:
     min_delta: float = 0.0
     target_loss: Optional[float] = None  # stop once validation loss <= this
     # logging, memory
-    log_dir: str = "logs"
+    run_name: str = "lm"
+    log_dir: Optional[str] = None       # the run dir; None = runs/<run_name>
+    tensorboard: bool = False           # also write the metrics as TensorBoard scalars (needs tensorboard)
     log_interval: int = 10
     debug: bool = False
     memory_check_interval: int = 50
     cleanup_interval: int = 100
     max_memory_gb: float = 16.0
     # checkpoints
-    checkpoint_dir: str = "checkpoints"
+    checkpoint_dir: Optional[str] = None  # None = <log_dir>/checkpoints
     checkpoint_prefix: str = "model"
     save_interval: int = 1              # epochs between <prefix>_epoch_N.pt; 0 = off
     save_every_iters: int = 0           # steps between <prefix>_step_N.pt; 0 = off
@@ -113,6 +116,8 @@ class TrainConfig:
                 raise ValueError(f"unknown config key {key!r}; known keys: {', '.join(sorted(known))}")
         out = cls(**cfg)
         out.check()
+        out.log_dir = out.log_dir or str(Path("runs") / out.run_name)
+        out.checkpoint_dir = out.checkpoint_dir or str(Path(out.log_dir) / "checkpoints")
         return out
 
     def check(self) -> None:
@@ -550,6 +555,8 @@ class DDPTrainer:
         self.memory = rt.MemoryManager(env.device, self.log, cfg.memory_check_interval,
                                        cfg.cleanup_interval, cfg.max_memory_gb)
         self.metrics_path = Path(cfg.log_dir) / "metrics.jsonl"
+        self._tb = None
+        self._bar = None
         self.ckpt_dir = Path(cfg.checkpoint_dir)
 
         self.global_step = 0
@@ -871,9 +878,31 @@ class DDPTrainer:
         rt.set_rng_state(mine)
 
     def write_metrics(self, record: dict) -> None:
-        if self.env.is_main:
-            self._metrics_file.write(json.dumps(record) + "\n")
-            self._metrics_file.flush()
+        if not self.env.is_main:
+            return
+        self._metrics_file.write(json.dumps(record) + "\n")
+        self._metrics_file.flush()
+        if self._tb is not None and "step" in record:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("step", "type"):
+                    self._tb.add_scalar(f"{record['type']}/{key}", value, record["step"])
+
+    def _open_tensorboard(self):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise RuntimeError("--tensorboard needs the tensorboard package: pip install tensorboard") from exc
+        return SummaryWriter(log_dir=str(Path(self.cfg.log_dir) / "tensorboard"))
+
+    def _link_checkpoints(self) -> None:
+        """The run dir points at its checkpoints when they live elsewhere."""
+        run, ckpt = Path(self.cfg.log_dir).resolve(), self.ckpt_dir.resolve()
+        if ckpt == run / "checkpoints" or (run / "checkpoints").exists() or (run / "checkpoints").is_symlink():
+            return
+        try:
+            (run / "checkpoints").symlink_to(ckpt, target_is_directory=True)
+        except OSError:  # a filesystem without symlinks: leave the path instead
+            (run / "checkpoints.path").write_text(str(ckpt) + "\n")
 
     # -- validation and stopping -----------------------------------------------
 
@@ -921,7 +950,9 @@ class DDPTrainer:
             (Path(self.cfg.log_dir) / "PREEMPTED").unlink(missing_ok=True)
             self._truncate_metrics()
             self._write_resolved_config()
+            self._link_checkpoints()
             self._metrics_file = open(self.metrics_path, "a")
+            self._tb = self._open_tensorboard() if self.cfg.tensorboard else None
         try:
             status = self._loop(stop_signal)
             summary = self._finish(status)
@@ -932,8 +963,12 @@ class DDPTrainer:
             raise
         finally:
             stop_signal.restore()
+            if self._bar is not None:
+                self._bar.close()
             if self.env.is_main:
                 self._metrics_file.close()
+                if self._tb is not None:
+                    self._tb.close()
             rt.teardown_distributed()
             rt.close_logger(self.log)
         return summary
@@ -945,6 +980,7 @@ class DDPTrainer:
         global_batch = cfg.batch_size * cfg.grad_accum_steps * self.env.world_size
         window_t, window_steps = time.time(), 0
         gen = self.train_loader.generator
+        bar = self._bar = self._progress_bar()
         while self.global_step < self.total_steps:
             start = self.step_in_epoch
             # Re-create the epoch's batch order exactly: same permutation, same loader seed,
@@ -971,6 +1007,11 @@ class DDPTrainer:
                 self.samples_seen += global_batch
                 window_steps += 1
                 self._after_step(r, time.time() - step_t, global_batch)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(epoch=self.epoch, loss=f"{r['loss']:.4f}",
+                                    lr=f"{self.scheduler.get_last_lr()[0]:.2e}",
+                                    samples_s=f"{global_batch / (time.time() - step_t):.0f}", refresh=False)
                 if self.global_step % cfg.log_interval == 0 or self.global_step == 1:
                     rate = window_steps * global_batch / (time.time() - window_t)
                     self.log.info("epoch %d step %d/%d loss %.5f lr %.2e grad_norm %.3f %.0f samples/s",
@@ -1000,6 +1041,17 @@ class DDPTrainer:
         if self.last_val_step != self.global_step and self._validate():
             return "early_stopped"
         return "completed"
+
+    def _progress_bar(self):
+        """tqdm on rank 0 when stdout is a terminal; the console then shows only warnings, the
+        periodic lines still go to rank_0.log. Files and CI get plain periodic lines."""
+        if not (self.env.is_main and sys.stdout.isatty()):
+            return None
+        from tqdm import tqdm
+        for h in self.log.handlers:
+            if type(h) is logging.StreamHandler:
+                h.setLevel(logging.WARNING)
+        return tqdm(total=self.total_steps, initial=self.global_step, unit="step", file=sys.stdout)
 
     def _interrupt(self, stop_signal: rt.StopSignal) -> str:
         self.log.warning("stop signal received (%s on some rank): saving and exiting at step %d",

@@ -340,6 +340,73 @@ def test_npy_token_file_is_memory_mapped_and_trains(tmp_path, no_launch_env):
     assert s["final_val_loss"] < s["unigram_entropy"]
 
 
+# -- run directories, progress bar, TensorBoard -----------------------------------------
+
+def test_default_run_dir_layout(tmp_path, no_launch_env, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    DDPTrainer(config={**QUICK, "max_steps": 4, "val_interval": 2, "run_name": "exp1"}).train()
+    run_dir = tmp_path / "runs" / "exp1"
+    assert {"config.yaml", "metrics.jsonl", "rank_0.log", "checkpoints"} <= {p.name for p in run_dir.iterdir()}
+    assert (run_dir / "checkpoints" / "model_final.pt").exists()
+    # checkpoints kept elsewhere are linked from the run dir
+    DDPTrainer(config={**QUICK, "max_steps": 2, "run_name": "exp2", "checkpoint_dir": "elsewhere"}).train()
+    link = tmp_path / "runs" / "exp2" / "checkpoints"
+    assert link.is_symlink() and link.resolve() == (tmp_path / "elsewhere").resolve()
+
+
+def test_progress_bar_only_on_a_terminal(tmp_path):
+    import pty
+    args = [sys.executable, str(REPO / "ddp_training.py"), "--cpu", "--test", "--max_steps", "12",
+            "--log_dir", "logs", "--checkpoint_dir", "ckpt", "--resume", "none"]
+    plain = run(args, cwd=tmp_path, timeout=120)
+    assert plain.returncode == 0 and "step/s" not in plain.stdout and "it/s" not in plain.stdout
+    assert "step 10/12" in plain.stdout  # plain periodic lines instead
+    import fcntl
+    import struct
+    import termios
+    controller, worker = pty.openpty()
+    fcntl.ioctl(worker, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # a 160-column terminal
+    proc = subprocess.Popen(args, cwd=tmp_path, env=clean_env(), stdin=worker, stdout=worker, stderr=worker)
+    os.close(worker)
+    chunks = []
+    while True:
+        try:
+            data = os.read(controller, 4096)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    proc.wait(timeout=120)
+    os.close(controller)
+    shown = b"".join(chunks).decode(errors="replace")
+    assert proc.returncode == 0 and "12/12" in shown and "loss=" in shown and "samples_s=" in shown
+    assert "step 10/12" not in shown  # the bar replaces the periodic console lines...
+    assert "step 10/12" in (tmp_path / "logs" / "rank_0.log").read_text()  # ...which still reach the log
+
+
+def test_tensorboard_writes_the_same_scalars(tmp_path, no_launch_env, monkeypatch):
+    import types
+    written = []
+
+    class FakeWriter:
+        def __init__(self, log_dir):
+            self.log_dir = log_dir
+
+        def add_scalar(self, tag, value, step):
+            written.append((tag, value, step))
+
+        def close(self):
+            written.append("closed")
+    fake = types.ModuleType("torch.utils.tensorboard")
+    fake.SummaryWriter = FakeWriter
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
+    DDPTrainer(config={**QUICK, **dirs(tmp_path), "max_steps": 3, "tensorboard": True}).train()
+    losses = [(s, v) for t, v, s in (w for w in written if w != "closed") if t == "train/loss"]
+    metrics = [r for r in read_metrics(tmp_path / "logs") if r["type"] == "train"]
+    assert losses == [(r["step"], r["loss"]) for r in metrics] and written[-1] == "closed"
+
+
 if __name__ == "__main__":
     import argparse
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
