@@ -429,6 +429,89 @@ def build_dataloader(dataset: Dataset, batch_size: int, *, train: bool, rank: in
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **kwargs)
 
 
+def split_batch(batch, part: int, parts: int):
+    """Samples part, part+parts, ... of a batch (tensors, or lists/tuples/dicts of them)."""
+    if isinstance(batch, torch.Tensor):
+        return batch[part::parts]
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(split_batch(b, part, parts) for b in batch)
+    if isinstance(batch, dict):
+        return {k: split_batch(v, part, parts) for k, v in batch.items()}
+    raise TypeError(f"cannot split a batch of type {type(batch).__name__}")
+
+
+class _DispatchSampler:
+    """What the trainer asks of a train loader's sampler, forwarded to rank 0's reader; positions
+    count this rank's samples, rank 0's reader counts global ones."""
+
+    def __init__(self, inner, world_size: int):
+        self.inner, self.world_size = inner, world_size
+
+    def set_epoch(self, epoch: int) -> None:
+        if self.inner is not None:
+            self.inner.set_epoch(epoch)
+
+    def set_start_index(self, index: int) -> None:
+        if self.inner is not None:
+            self.inner.set_start_index(index * self.world_size)
+
+
+class DispatchLoader:
+    """Rank 0 reads global batches and sends every rank its part (`--data_strategy dispatch`),
+    for sources that cannot be sharded, such as a stream. The end of the data travels with the
+    batches, so every rank sees it at the same step. With the same seed it yields exactly the
+    per-rank batches of the sharded loader."""
+
+    def __init__(self, dataset: Dataset, batch_size: int, *, rank: int, world_size: int, seed: int,
+                 collate_fn=None, **loader_kwargs):
+        self.dataset, self.rank, self.world_size = dataset, rank, world_size
+        self.reader = None
+        if rank == 0:
+            if isinstance(dataset, torch.utils.data.IterableDataset):
+                self.reader = DataLoader(dataset, batch_size=batch_size * world_size, collate_fn=collate_fn)
+            else:
+                self.reader = build_dataloader(dataset, batch_size * world_size, train=True, rank=0,
+                                               world_size=1, seed=seed, collate_fn=collate_fn, **loader_kwargs)
+        reader_sampler = getattr(self.reader, "sampler", None)
+        self.sampler = _DispatchSampler(reader_sampler if hasattr(reader_sampler, "set_start_index") else None,
+                                        world_size)
+        self.generator = self.reader.generator if self.reader is not None and self.reader.generator is not None \
+            else torch.Generator()
+        self.collate_fn = (self.reader.collate_fn if self.reader is not None
+                           else collate_fn or torch.utils.data.default_collate)
+        length = None
+        if self.reader is not None:
+            try:
+                length = len(self.reader)
+            except TypeError:  # a stream of unknown length: the run is bounded by max_steps
+                length = None
+        self.length = broadcast_object(length)
+
+    def __len__(self) -> int:
+        if self.length is None:
+            raise TypeError("a streamed dataset has no length")
+        return self.length
+
+    def __iter__(self):
+        batches = iter(self.reader) if self.reader is not None else None
+        while True:
+            parts = None
+            if batches is not None:
+                try:
+                    batch = next(batches)
+                    parts = [split_batch(batch, r, self.world_size) for r in range(self.world_size)]
+                except StopIteration:
+                    parts = [None] * self.world_size
+            mine = [None]
+            if dist.is_available() and dist.is_initialized():
+                dist.scatter_object_list(mine, parts, src=0)
+            else:
+                mine = parts[:1]
+            if mine[0] is None:
+                return
+            yield mine[0]
+
+
 # ----------------------------------------------------------------------------
 # Signals
 # ----------------------------------------------------------------------------

@@ -60,6 +60,7 @@ class TrainConfig:
     test_fraction: float = 0.05
     num_workers: int = 0
     pin_memory: bool = True
+    data_strategy: str = "shard"        # shard: every rank reads its part; dispatch: rank 0 reads and sends
     # optimisation
     batch_size: int = 32                # per rank, per micro-step
     grad_accum_steps: int = 1
@@ -122,7 +123,7 @@ class TrainConfig:
 
     def check(self) -> None:
         choices = {"lr_schedule": ("cosine", "wsd", "constant"), "loss_normalization": ("token", "sample"),
-                   "amp_dtype": ("auto", "bf16", "fp16"), "device": ("auto", "cuda", "cpu"),
+                   "amp_dtype": ("auto", "bf16", "fp16"), "data_strategy": ("shard", "dispatch"), "device": ("auto", "cuda", "cpu"),
                    "dist_backend": (None, "nccl", "gloo")}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
@@ -536,14 +537,28 @@ class DDPTrainer:
             ds, cfg.batch_size, train=train, rank=env.rank, world_size=env.world_size, seed=cfg.seed,
             num_workers=cfg.num_workers, pin_memory=pin, collate_fn=collate_fn,
             local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size)))
-        self.train_loader = loader(train_dataset, True)
+        if isinstance(train_dataset, torch.utils.data.IterableDataset) and cfg.data_strategy != "dispatch":
+            raise ValueError("an iterable (streamed) training set cannot be sharded by index; "
+                             "use data_strategy='dispatch' (--data_strategy dispatch)")
+        if cfg.data_strategy == "dispatch":
+            self.train_loader = rt.DispatchLoader(train_dataset, cfg.batch_size, rank=env.rank,
+                                                  world_size=env.world_size, seed=cfg.seed, collate_fn=collate_fn,
+                                                  num_workers=cfg.num_workers, pin_memory=pin)
+        else:
+            self.train_loader = loader(train_dataset, True)
         self.val_loader = loader(val_dataset, False) if val_dataset is not None else None
         self.test_loader = loader(test_dataset, False) if test_dataset is not None else None
         self.non_blocking = pin
 
-        self.steps_per_epoch = len(self.train_loader) // cfg.grad_accum_steps
+        try:
+            batches_per_epoch = len(self.train_loader)
+        except TypeError:  # a stream: an epoch lasts until it ends, the run until max_steps
+            if not cfg.max_steps:
+                raise ValueError("a training set without a length (a stream) needs max_steps") from None
+            batches_per_epoch = cfg.max_steps * cfg.grad_accum_steps
+        self.steps_per_epoch = batches_per_epoch // cfg.grad_accum_steps
         if self.steps_per_epoch < 1:
-            raise ValueError(f"{len(self.train_loader)} batches per epoch are fewer than "
+            raise ValueError(f"{batches_per_epoch} batches per epoch are fewer than "
                              f"grad_accum_steps={cfg.grad_accum_steps}")
         self.total_steps = cfg.max_steps or cfg.num_epochs * self.steps_per_epoch
         self.optimizer = build_optimizer(self.raw_model, cfg.learning_rate, cfg.weight_decay, env.device)
@@ -813,7 +828,7 @@ class DDPTrainer:
                  "rng": per_rank_rng,
                  "run": {"world_size": self.env.world_size, "batch_size": cfg.batch_size,
                          "grad_accum_steps": cfg.grad_accum_steps, "seed": cfg.seed,
-                         "train_samples": len(self.train_loader.dataset)}}
+                         "train_samples": self._train_samples()}}
         path = self.state_path(self.global_step)
 
         def write():
@@ -823,6 +838,10 @@ class DDPTrainer:
         self.log.info("saved resumable state %s (step %d, epoch %d, %d steps into the epoch)", path,
                       self.global_step, self.epoch, self.step_in_epoch)
         return path
+
+    def _train_samples(self) -> int:
+        ds = self.train_loader.dataset
+        return len(ds) if hasattr(ds, "__len__") else -1
 
     STATE_COUNTERS = ("global_step", "epoch", "step_in_epoch", "best_val", "bad_validations",
                       "consecutive_bad_steps", "skipped_steps", "last_val", "last_val_step")
@@ -859,7 +878,7 @@ class DDPTrainer:
         run = state["run"]
         now = {"world_size": self.env.world_size, "batch_size": self.cfg.batch_size,
                "grad_accum_steps": self.cfg.grad_accum_steps, "seed": self.cfg.seed,
-               "train_samples": len(self.train_loader.dataset)}
+               "train_samples": self._train_samples()}
         for key, value in now.items():
             if run[key] != value:
                 # The sample order depends on all of these; continuing would not be the same run.
@@ -991,8 +1010,12 @@ class DDPTrainer:
             self.train_loader.sampler.set_start_index(start * cfg.batch_size * cfg.grad_accum_steps)
             batches = iter(self.train_loader)
             self.loader_rng["current"] = gen.get_state()
+            epoch_done = True
             for i in range(start, self.steps_per_epoch):
-                micro = [next_batch(batches) for _ in range(cfg.grad_accum_steps)]
+                try:
+                    micro = [next_batch(batches) for _ in range(cfg.grad_accum_steps)]
+                except StopIteration:  # a stream ran dry; dispatch tells every rank at once
+                    break
                 step_t = time.time()
                 try:
                     r = self._train_step(micro, stop_signal)
@@ -1028,8 +1051,11 @@ class DDPTrainer:
                 if r["stop"]:
                     return self._interrupt(stop_signal)
                 if self.global_step >= self.total_steps and i < self.steps_per_epoch - 1:
+                    epoch_done = False
                     break
-            else:  # a full epoch
+            if epoch_done and self.step_in_epoch == 0:
+                raise ValueError(f"the training data yielded no full step in epoch {self.epoch}")
+            if epoch_done:
                 self.epoch += 1
                 self.epoch_data_errors = 0
                 self.step_in_epoch = 0
