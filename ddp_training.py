@@ -405,8 +405,11 @@ class StepFailed(RuntimeError):
 
 @dataclass
 class BatchError:
-    """A batch that failed to load (the error text), kept in place of the batch."""
+    """A batch that failed to load (the error text), kept in place of the batch. A dead
+    DataLoader worker is fatal; a bad sample is a recoverable data error."""
     text: str
+    fatal: bool = False
+    counted: bool = True  # False for the extra pieces of a failed batch split after an OOM
 
 
 def next_batch(batches) -> Any:
@@ -414,8 +417,14 @@ def next_batch(batches) -> Any:
         return next(batches)
     except StopIteration:
         raise
-    except Exception as exc:  # a bad sample or collate error: agreed on and counted in the step
-        return BatchError(f"{type(exc).__name__}: {exc}")
+    except Exception as exc:  # agreed on in the step, counted or fatal
+        text = f"{type(exc).__name__}: {exc}"
+        worker_died = "DataLoader worker" in text and ("exited unexpectedly" in text or "killed by signal" in text)
+        return BatchError(text, fatal=worker_died)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
 def to_device(batch, device: torch.device, non_blocking: bool):
@@ -586,6 +595,7 @@ class DDPTrainer:
         self.epoch_data_errors = 0
         self.local_errors: list = []
         self.spare_batch = None
+        self.micro_splits = 1
         self.loader_rng = {"epoch_start": self.train_loader.generator.get_state(),
                            "current": self.train_loader.generator.get_state()}
         self.log.info("%d steps (%d per epoch), global batch %d = %d per rank x %d accum x %d ranks",
@@ -624,7 +634,11 @@ class DDPTrainer:
             # Scaling by a constant that is equal on all ranks keeps DDP's average a plain
             # sum; the true 1/global_count is applied once all counts are known.
             scaled = out[0].float() * (weight / self.cfg.batch_size)
-            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            try:
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            except Exception as exc:
+                exc.ddp_phase = "backward"
+                raise
         extras = out[2] if len(out) > 2 else {}
         return (out[0].detach() * weight, torch.as_tensor(out[1], device=self.env.device) * weight,
                 {k: v.detach() * weight for k, v in extras.items()})
@@ -643,12 +657,16 @@ class DDPTrainer:
         count = torch.zeros((), device=dev, dtype=torch.float64)
         nonfinite = torch.zeros((), device=dev, dtype=torch.float64)
         extras: dict = {}
-        data_errors, fatal = 0, None
+        data_errors, fatal, oom = 0, None, False
         for k, batch in enumerate(micro_batches):
             last = k == len(micro_batches) - 1
-            if isinstance(batch, BatchError):
-                data_errors += 1
-                self.local_errors.append(f"data error: {batch.text}")
+            if isinstance(batch, BatchError) and batch.fatal:
+                fatal = fatal or f"data loading failed: {batch.text}"
+                batch, weight = self._spare(), 0.0
+            elif isinstance(batch, BatchError):
+                if batch.counted:
+                    data_errors += 1
+                    self.local_errors.append(f"data error: {batch.text}")
                 batch, weight = self._spare(), 0.0
             else:
                 self.spare_batch = batch if self.spare_batch is None else self.spare_batch
@@ -656,11 +674,19 @@ class DDPTrainer:
             try:
                 s, c, ex = self._forward_backward(batch, last, weight)
             except Exception as exc:
-                if fatal is not None:
+                if fatal is not None or oom:
                     raise
-                fatal = f"{type(exc).__name__}: {exc}"
-                self.log.error("step %d raised on this rank: %s", self.global_step + 1, traceback.format_exc())
-                s, c, ex = self._forward_backward(self._spare(), last, 0.0)
+                phase = getattr(exc, "ddp_phase", "forward")
+                if is_out_of_memory(exc) and phase == "forward":
+                    oom = True  # retried by every rank with smaller micro-batches
+                    self.log.warning("out of memory in the forward of step %d", self.global_step + 1)
+                else:
+                    fatal = f"{type(exc).__name__} in {phase}: {exc}"
+                    self.log.error("step %d raised on this rank: %s", self.global_step + 1, traceback.format_exc())
+                if self.env.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                # One sample, weight zero: completes this rank's collectives without needing memory.
+                s, c, ex = self._forward_backward(rt.split_batch(self._spare(), 0, self.cfg.batch_size), last, 0.0)
             finite = torch.isfinite(s)
             nonfinite = torch.maximum(nonfinite, (~finite).double())
             loss_sum += torch.where(finite, s.double(), 0.0)
@@ -676,27 +702,28 @@ class DDPTrainer:
         grad_bad = ~torch.isfinite(raw_norm)
         if self.scaler is None:  # with a GradScaler, inf gradients are its normal business
             nonfinite = torch.maximum(nonfinite, grad_bad.double())
-        flags = torch.tensor([stop_signal.received is not None, data_errors, fatal is not None, bool(unused)],
+        flags = torch.tensor([stop_signal.received is not None, data_errors, fatal is not None, bool(unused), oom],
                              device=dev, dtype=torch.float64)
         names = sorted(extras)
         packed = torch.cat([torch.stack([count, loss_sum, nonfinite]), flags,
                             torch.stack([extras[n] for n in names]) if names else flags[:0]])
         reduced = rt.all_reduce_tensor(packed).tolist()
-        g_count, g_loss, g_nonfinite, g_stop, g_data_errors, g_fatal, g_unused = reduced[:7]
+        g_count, g_loss, g_nonfinite, g_stop, g_data_errors, g_fatal, g_unused, g_oom = reduced[:8]
         if g_fatal or g_unused:
             self._raise_collectively(fatal or (f"parameters without gradients: {', '.join(unused)}"
-                                               if unused else None))
+                                               if unused else None), save=bool(g_fatal))
         if g_data_errors:
             self._count_data_errors(int(g_data_errors))
         result = {"count": g_count, "loss": g_loss / max(g_count, 1.0), "stop": g_stop > 0,
-                  "extras": {n: v / max(g_count, 1.0) for n, v in zip(names, reduced[7:])}}
+                  "extras": {n: v / max(g_count, 1.0) for n, v in zip(names, reduced[8:])}}
 
-        skip = g_nonfinite > 0 or g_count == 0 or (self.scaler is not None and bool(grad_bad))
+        skip = g_oom or g_nonfinite > 0 or g_count == 0 or (self.scaler is not None and bool(grad_bad))
         if skip:
             self.optimizer.zero_grad(set_to_none=True)
             if self.scaler:
                 self.scaler.update()
-            result.update(skipped=True, nonfinite=g_nonfinite > 0, grad_norm=float("nan"))
+            result.update(skipped=True, nonfinite=g_nonfinite > 0 and not g_oom, grad_norm=float("nan"),
+                          retry=bool(g_oom))
             return result
         # DDP averaged the per-rank sums: grad = (1/W) sum S / B. Make it sum S / N.
         factor = self.env.world_size * self.cfg.batch_size / g_count
@@ -714,6 +741,20 @@ class DDPTrainer:
         self.scheduler.step()
         result.update(skipped=False, nonfinite=False, grad_norm=float(norm))
         return result
+
+    def _split_micro_batches(self, micro: list, ways: int) -> list:
+        if ways == 1:
+            return micro
+        out = []
+        for b in micro:
+            if isinstance(b, BatchError):
+                out.extend([b] + [BatchError(b.text, b.fatal, counted=False)] * (ways - 1))
+                continue
+            n = len(b[0] if isinstance(b, (list, tuple)) else next(iter(b.values())) if isinstance(b, dict) else b)
+            if n < ways:
+                raise StepFailed(f"step {self.global_step + 1}: out of memory even with micro-batches of one sample")
+            out.extend(rt.split_batch(b, k, ways) for k in range(ways))
+        return out
 
     def _spare(self):
         """A batch that loads, to replay with weight zero; read by index, so no RNG moves."""
@@ -738,9 +779,12 @@ class DDPTrainer:
             return []
         return [n for n, p in self.raw_model.named_parameters() if p.requires_grad and p.grad is None]
 
-    def _raise_collectively(self, mine: Optional[str]) -> None:
-        """Every rank learns every rank's error, logs them, and raises the same error."""
+    def _raise_collectively(self, mine: Optional[str], save: bool = False) -> None:
+        """Every rank learns every rank's error, logs them, and raises the same error; with
+        `save`, the weights (untouched by the failed step) go to <prefix>_interrupted.pt first."""
         reports = rt.gather_objects(mine)
+        if save:
+            self.save_checkpoint("interrupted")
         lines = [f"rank {r}: {m}" for r, m in enumerate(reports) if m]
         text = f"step {self.global_step + 1} failed on " + "; ".join(lines)
         if any("parameters without gradients" in line for line in lines):
@@ -1018,7 +1062,15 @@ class DDPTrainer:
                     break
                 step_t = time.time()
                 try:
+                    micro = self._split_micro_batches(micro, self.micro_splits)
                     r = self._train_step(micro, stop_signal)
+                    while r.get("retry"):  # out of memory somewhere: all ranks halve their micro-batches
+                        self.micro_splits *= 2
+                        self.log.warning("out of memory on some rank: retrying step %d with micro-batches split "
+                                         "%d ways (gradient accumulation x%d)", self.global_step + 1,
+                                         self.micro_splits, self.micro_splits)
+                        micro = self._split_micro_batches(micro, 2)
+                        r = self._train_step(micro, stop_signal)
                 except StepFailed:
                     raise
                 except Exception as exc:  # a peer died or hung: say which and where, then fail

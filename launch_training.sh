@@ -142,7 +142,9 @@ if (( nnodes == 1 )); then
 else
     launcher+=(--nnodes "$nnodes" --node_rank "$node_rank" --master_addr "$master_addr" --master_port "$master_port")
 fi
-launcher+=(--nproc_per_node "$nproc" --max_restarts "$max_restarts")
+# SLURM can announce the end of a job with SIGUSR1 (--signal=USR1@...): forward it like SIGTERM.
+launcher+=(--nproc_per_node "$nproc" --max_restarts "$max_restarts"
+           --signals_to_handle "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
 if (( max_restarts > 0 )); then
     # A restarted gloo group re-rendezvouses more reliably on its own TCP store.
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
