@@ -456,8 +456,11 @@ def evaluate_model(model: nn.Module, loader, loss_fn: LossFn, device: torch.devi
         for name, v in (out[2] if len(out) > 2 else {}).items():
             extras[name] = extras.get(name, 0.0) + v.double()
     model.train(was_training)
-    names = sorted(extras)
-    reduced = rt.all_reduce_tensor(torch.stack([total[0], total[1]] + [extras[n] for n in names])).tolist()
+    # A rank whose shard is empty saw no extras; every rank must pack the same names.
+    names = sorted(set().union(*rt.gather_objects(sorted(extras))))
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    reduced = rt.all_reduce_tensor(torch.stack([total[0], total[1]] + [extras.get(n, zero) for n in names])
+                                   ).tolist()
     n = reduced[1]
     if n == 0:
         raise ValueError("evaluation set is empty")
@@ -960,7 +963,7 @@ class DDPTrainer:
     def _link_checkpoints(self) -> None:
         """The run dir points at its checkpoints when they live elsewhere."""
         run, ckpt = Path(self.cfg.log_dir).resolve(), self.ckpt_dir.resolve()
-        if ckpt == run / "checkpoints" or (run / "checkpoints").exists() or (run / "checkpoints").is_symlink():
+        if ckpt in (run, run / "checkpoints") or (run / "checkpoints").exists() or (run / "checkpoints").is_symlink():
             return
         try:
             (run / "checkpoints").symlink_to(ckpt, target_is_directory=True)

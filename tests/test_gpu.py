@@ -1,0 +1,108 @@
+"""GPU correctness (pytest -m gpu): NCCL equivalence of 2 GPUs with 1, mixed precision against
+fp32, and a real training run on one GPU. Every test is skipped without CUDA; the 2-GPU test also
+without a second GPU. The comparisons follow tests/test_correctness.py, with GPU tolerances:
+
+  GPU_RTOL         relative L2 error of gradients and losses, fp32 (cuBLAS picks kernels by batch
+                   size, and embedding backward sums with atomics, so the order of sums differs)
+  GPU_WEIGHT_RTOL  the same for weights after several AdamW steps (see WEIGHT_RTOL there)
+  AMP_RTOL         how far one autocast step may be from fp32: bf16 keeps 8 mantissa bits
+                   (unit roundoff 3.9e-3), fp16 11 bits (4.9e-4), both summed over many terms
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import ddp_runtime as rt
+from ddp_training import CausalLM, DDPTrainer, lm_loss
+from test_correctness import (LM, _run_trainer, _two_rank_runs, final_weights, free_ports, rel, spawn_by_value,
+                              step_losses, to_numpy, to_torch)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+GPU_RTOL = 1e-5
+GPU_WEIGHT_RTOL = 1e-4
+AMP_RTOL = {"bf16": 5e-2, "fp16": 1e-2}
+AMP_MIN = 1e-7   # below this, autocast did not run at all: the test would prove nothing
+
+GPU_LM = dict(LM, device="cuda", use_amp=False, pin_memory=True)
+
+
+def _spec(name: str, **config) -> dict:
+    return dict(name=name, data="lm", config=dict(GPU_LM, **config))
+
+
+@pytest.mark.multi
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nccl_two_gpus_equal_one_gpu_with_twice_the_batch(tmp_path):
+    two_spec = _spec("nccl_b4", batch_size=4, dist_backend="nccl")
+    two = spawn_by_value(_two_rank_runs, 2, str(tmp_path), [two_spec], free_ports(0))
+    one = to_torch(to_numpy(_run_trainer(0, 1, str(tmp_path), _spec("gpu_b8", batch_size=8))))
+    rt.teardown_distributed()
+    r0, r1 = two[0][0], two[1][0]
+    assert r0["replica_errors"] == r1["replica_errors"] == [] and r0["digests"] == r1["digests"]
+    assert len(r0["grads"]) == len(one["grads"]) == LM["max_steps"]
+    for step, (g, ref) in enumerate(zip(r0["grads"], one["grads"])):
+        assert rel(g, ref) < GPU_RTOL, f"step {step + 1}: {rel(g, ref):.2e}"
+    a, b = step_losses(r0), step_losses(one)
+    assert all(abs(x - y) <= GPU_RTOL * abs(y) for x, y in zip(a, b)), (a, b)
+    assert rel(final_weights(r0), final_weights(one)) < GPU_WEIGHT_RTOL
+    for calls, lasts, buckets in r0["hook"]:
+        assert calls == buckets and lasts == 1
+
+
+def _one_step_grads(tmp_path: Path, name: str, **config) -> dict:
+    rec = _run_trainer(0, 1, str(tmp_path), _spec(name, batch_size=8, max_steps=1, **config))
+    return to_torch(to_numpy(rec))
+
+
+@pytest.mark.parametrize("amp_dtype", ["bf16", "fp16"])
+def test_amp_step_is_close_to_fp32(tmp_path, no_launch_env, amp_dtype):
+    if amp_dtype == "bf16" and not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU has no bf16")
+    fp32 = _one_step_grads(tmp_path, "fp32")
+    amp = _one_step_grads(tmp_path, amp_dtype, use_amp=True, amp_dtype=amp_dtype)
+    g_err = rel(amp["grads"][0], fp32["grads"][0])
+    l_amp, l_fp32 = step_losses(amp)[0], step_losses(fp32)[0]
+    assert AMP_MIN < g_err < AMP_RTOL[amp_dtype], f"{amp_dtype} gradient {g_err:.2e} from fp32"
+    assert abs(l_amp - l_fp32) < AMP_RTOL[amp_dtype] * l_fp32
+    # fp16 needs the GradScaler: the recorded gradients are the unscaled ones the optimizer sees.
+    assert amp["summary"]["skipped_steps"] == 0
+
+
+def test_amp_direct_forward_backward_is_close_to_fp32():
+    """Autocast itself, without the trainer: loss and gradient of one batch."""
+    torch.manual_seed(0)
+    model = CausalLM(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, seq_len=16).cuda()
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randint(0, 64, (8, 16), generator=g).cuda(), torch.randint(0, 64, (8, 16), generator=g).cuda())
+
+    def loss_and_grad(dtype):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
+            s, c = lm_loss(model, batch)
+        (s / c).backward()
+        return (s / c).item(), torch.cat([p.grad.float().flatten() for p in model.parameters()]).cpu()
+
+    ref_loss, ref_grad = loss_and_grad(None)
+    dtypes = {"fp16": torch.float16}
+    if torch.cuda.is_bf16_supported():
+        dtypes["bf16"] = torch.bfloat16
+    for name, dtype in dtypes.items():
+        loss, grad = loss_and_grad(dtype)
+        assert AMP_MIN < rel(grad, ref_grad) < AMP_RTOL[name], name
+        assert abs(loss - ref_loss) < AMP_RTOL[name] * ref_loss, name
+
+
+def test_single_gpu_training_run_loss_falls(tmp_path, no_launch_env):
+    cfg = dict(hidden_size=32, num_layers=2, num_heads=2, seq_len=32, dataset_size=1024, batch_size=16,
+               max_steps=60, learning_rate=1e-2, warmup_steps=5, log_interval=10, val_interval=20,
+               device="cuda", resume="none", log_dir=str(tmp_path / "logs"), checkpoint_dir=str(tmp_path / "ckpt"))
+    summary = DDPTrainer(rank=0, world_size=1, config=cfg).train()
+    assert summary["status"] == "completed" and summary["steps"] == 60 and "cuda_peak_gb" in summary
+    lines = (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
+    train = [r["loss"] for r in map(json.loads, lines) if r["type"] == "train"]
+    assert train[-1] < 0.6 * train[0]
+    assert summary["final_val_loss"] < 0.8 * train[0]

@@ -1,0 +1,362 @@
+"""Tests of vj2ac_train_multi_gpu.py: the AC predictor, its loss, and real 2-rank gloo training through DDPTrainer
+(validation loss, action conditioning, checkpoints, fail-fast input errors, the documented CPU command)."""
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import REPO, clean_env, run, torchrun
+
+import create_synthetic_data as gen
+import ddp_runtime as rt
+import vj2ac_train_multi_gpu as vj2
+from ddp_training import TrainConfig
+from vj2_dataloader import VJ2TrajectoryDataset
+
+SCRIPT = "vj2ac_train_multi_gpu.py"
+# small geometry: T=4 steps, P=16 patches, D=32, A=10 actions x C=3 channels
+T, P, D, A, C = 4, 16, 32, 10, 3
+# weights-only checkpoint names; the trainer may write other files (resumable states, .sha256 sidecars)
+WEIGHTS_FILE = re.compile(r"^vjepa2_(best|final|interrupted|step_\d+|epoch_\d+)\.pt$")
+
+
+def tiny_predictor(seed=0, depth=2):
+    torch.manual_seed(seed)
+    return vj2.ACPredictor(embed_dim=D, num_patches=P, action_dim=A * C, max_steps=T - 1, predictor_dim=32,
+                           depth=depth, num_heads=2)
+
+
+def random_batch(batch=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, T, P, D, generator=g), torch.rand(batch, T - 1, A * C, generator=g)
+
+
+def read_metrics(log_dir):
+    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def script(*args):
+    return [sys.executable, REPO / SCRIPT, *args]
+
+# -----------------------------------------------------------------------------------------------------------------
+# the predictor and its loss, in-process
+
+
+def test_predictor_shapes_and_block_causal_mask():
+    model = tiny_predictor().eval()
+    z, actions = random_batch()
+    out = model.predict(z[:, :-1], actions)
+    assert out.shape == (3, T - 1, P, D)
+    # outputs are layer-normed over D
+    torch.testing.assert_close(out.mean(-1), torch.zeros(3, T - 1, P), atol=1e-4, rtol=0)
+    torch.testing.assert_close(out.std(-1, unbiased=False), torch.ones(3, T - 1, P), atol=1e-3, rtol=0)
+
+    mask = model.block_causal_mask(3, 1 + P, z.device)
+    step = torch.arange(3 * (1 + P)) // (1 + P)
+    assert torch.equal(mask, step[None, :] <= step[:, None])
+    # built once per (steps, tokens per step, device), then reused
+    assert model.block_causal_mask(3, 1 + P, z.device) is mask
+    assert set(model._masks) == {(3, 1 + P, z.device)}
+
+    # a token of step t cannot see step t+1: perturbing step 2 (its patches and its action) leaves the outputs
+    # of steps 0 and 1 exactly unchanged and changes step 2's
+    z2, a2 = z[:, :-1].clone(), actions.clone()
+    z2[:, 2] += torch.randn_like(z2[:, 2])
+    a2[:, 2] = 1 - a2[:, 2]
+    with torch.no_grad():
+        before, after = model.predict(z[:, :-1], actions), model.predict(z2, a2)
+    assert torch.equal(before[:, :2], after[:, :2])
+    assert not torch.allclose(before[:, 2], after[:, 2])
+    # and the action of step t reaches the prediction made at step t
+    a3 = actions.clone()
+    a3[:, 1] = 1 - a3[:, 1]
+    with torch.no_grad():
+        changed = model.predict(z[:, :-1], a3)
+    assert torch.equal(changed[:, 0], before[:, 0]) and not torch.allclose(changed[:, 1], before[:, 1])
+
+
+def manual_losses(model, emb, actions, horizon):
+    """The loss written out step by step: teacher forcing, then a rollout that feeds its predictions back."""
+    z = F.layer_norm(emb, (D,))
+    jloss = (model.predict(z[:, :-1], actions) - z[:, 1:]).abs().mean((1, 2, 3))
+    context, errors = z[:, :1], []
+    for k in range(horizon):
+        pred = model.predict(context, actions[:, :k + 1])[:, -1]
+        errors.append((pred - z[:, k + 1]).abs().mean((1, 2)))
+        context = torch.cat([context, pred[:, None]], 1)
+    return jloss, torch.stack(errors, 1).mean(1)
+
+
+@pytest.mark.parametrize("horizon", [1, 2, 3])
+def test_loss_is_teacher_forcing_plus_a_rollout_of_horizon_steps(horizon):
+    model = tiny_predictor()
+    emb, actions = random_batch()
+    emb.requires_grad_(True)
+    jloss, sloss = model(emb, actions, horizon)
+    ref_j, ref_s = manual_losses(model, emb, actions, horizon)
+    torch.testing.assert_close(jloss, ref_j)
+    torch.testing.assert_close(sloss, ref_s)
+    # rollout step k is penalised against z_k: sloss reaches the targets z_1..z_h and no further, and it reaches
+    # the context z_0 through every fed-back prediction
+    (grad,) = torch.autograd.grad(sloss.sum(), emb)
+    reached = grad.abs().sum((0, 2, 3)) > 0
+    assert reached.tolist() == [True] + [k <= horizon for k in range(1, T)]
+
+
+def test_loss_layer_norms_targets_and_inputs_and_reads_float16():
+    model = tiny_predictor()
+    emb, actions = random_batch()
+    # an affine change of each token (scale and offset over D) is invisible after layer norm
+    shifted = 3.0 * emb + torch.randn(3, T, P, 1)
+    for a, b in zip(model(emb, actions, 2), model(shifted, actions, 2)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    # DDPTrainer's contract: sums over the batch, the batch size, and the parts as sums; float16 on disk is fine
+    total, count, extras = vj2.vj2_loss(model, (emb.half(), actions), rollout_horizon=2)
+    j, s = model(emb.half().float(), actions, 2)
+    assert count == 3 and total.dtype == torch.float32
+    torch.testing.assert_close(total, (j + s).sum())
+    torch.testing.assert_close(extras["jloss"], j.sum())
+    torch.testing.assert_close(extras["sloss"], s.sum())
+    # an untrained predictor is about as far from the layer-normed targets as independent unit vectors
+    assert 0.8 < (total / count / 2).item() < 1.5
+
+
+def test_shuffled_actions_pair_every_trajectory_with_another():
+    class Items:
+        def __len__(self):
+            return 7
+
+        def __getitem__(self, i):
+            return f"emb{i}", f"act{i}"
+    shuffled = vj2.ShuffledActions(Items(), seed=0)
+    partners = [int(shuffled[i][1][3:]) for i in range(7)]
+    assert [shuffled[i][0] for i in range(7)] == [f"emb{i}" for i in range(7)]
+    assert sorted(partners) == list(range(7)) and all(p != i for i, p in enumerate(partners))
+    assert partners == [int(vj2.ShuffledActions(Items(), seed=0)[i][1][3:]) for i in range(7)]
+
+
+def test_cli_presets_test_mode_and_trainer_config(no_launch_env):
+    data = ["--processed_data_dir", "t", "--validation_data_dir", "v"]
+    args = vj2.parse_args(data + ["--device", "cpu"])
+    assert (args.preset, args.depth, args.predictor_dim, args.num_heads) == ("small", 2, 64, 4)
+    assert args.lr == vj2.PRESET_LR["small"] and args.rollout_horizon == 2 and args.batch_size == 4
+    args = vj2.parse_args(data + ["--preset", "vjepa2_ac", "--depth", "3", "--local-rank=1"])
+    assert (args.depth, args.predictor_dim, args.num_heads) == (3, 1024, 16)
+    args = vj2.parse_args(data + ["--test", "--max_steps", "7", "--batch-size", "3", "--local_rank", "0"])
+    assert (args.max_steps, args.val_every_iters, args.preset, args.depth, args.batch_size) == (7, 10, "tiny", 1, 3)
+    cfg = vj2.train_config(args, {"launcher": "none"})
+    TrainConfig.from_dict(cfg)  # every key is one the trainer knows
+    assert cfg["checkpoint_prefix"] == "vjepa2" and cfg["val_interval"] == 10 and cfg["save_interval"] == 0
+    assert re.fullmatch(r"checkpoints/\d{8}_\d{6}", cfg["checkpoint_dir"]) and cfg["log_dir"] == cfg["checkpoint_dir"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--validation_data_dir", "v"], "--processed_data_dir and --validation_data_dir are required"),
+    (["--evaluate", "x.pt"], "--evaluate needs --validation_data_dir"),
+    (["--processed_data_dir", "t", "--validation_data_dir", "v", "--shuffle_actions"], "only applies to --evaluate"),
+    (["--processed_data_dir", "t", "--validation_data_dir", "v", "--device", "cpu", "--dist-backend", "nccl"],
+     "nccl needs CUDA"),
+    (["--processed_data_dir", "t", "--validation_data_dir", "v", "--predictor_dim", "30", "--num_heads", "4"],
+     "divisible"),
+])
+def test_bad_flags_exit_2_naming_the_flag(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        vj2.parse_args(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+# -----------------------------------------------------------------------------------------------------------------
+# real processes
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One 2-rank gloo run: 600 training trajectories, 16 per rank per step, 10 epochs = 180 steps."""
+    root = tmp_path_factory.mktemp("vj2_trained")
+    gen.generate(root / "train", num_files=2, trajectories_per_file=300, seed=0)
+    gen.generate(root / "val", num_files=1, trajectories_per_file=50, seed=1)
+    t0 = time.time()
+    r = run(torchrun(2, SCRIPT, "--device", "cpu", "--dist-backend", "gloo", "--processed_data_dir", root / "train",
+                     "--validation_data_dir", root / "val", "--num_epochs", "10", "--batch_size", "16",
+                     "--save_every_iters", "50", "--val_every_iters", "25", "--save_every_epochs", "3",
+                     "--checkpoint_dir", root / "ckpt", "--log_dir", root / "logs"), cwd=root, timeout=240)
+    assert r.returncode == 0, r.stdout[-6000:]
+    return dict(root=root, out=r.stdout, wall=time.time() - t0, records=read_metrics(root / "logs"))
+
+
+def copy_baseline(val_dir, horizon=2):
+    """The loss of predicting 'nothing changes' (z_{t+1} = z_t, every rollout step = z_0)."""
+    ds = VJ2TrajectoryDataset(val_dir)
+    z = F.layer_norm(torch.stack([ds[i][0] for i in range(len(ds))]).float(), (D,))
+    return ((z[:, :-1] - z[:, 1:]).abs().mean() + (z[:, :1] - z[:, 1:horizon + 1]).abs().mean()).item()
+
+
+@pytest.mark.multi
+def test_two_rank_training_learns_the_dynamics(trained):
+    records = trained["records"]
+    train = [r for r in records if r["type"] == "train"]
+    val = [r for r in records if r["type"] == "val"]
+    summary = [r for r in records if r["type"] == "summary"][-1]
+    assert summary["status"] == "completed" and summary["world_size"] == 2 and summary["steps"] == 180
+    assert [r["step"] for r in train] == list(range(1, 181)) and not any(r["skipped"] for r in train)
+    assert {"jloss", "sloss"} <= set(train[0]) and {"val_jloss", "val_sloss"} <= set(val[0])
+    assert [r["step"] for r in val] == [25, 50, 75, 100, 125, 150, 175, 180]
+    untrained, first, final = train[0]["loss"], val[0]["val_loss"], val[-1]["val_loss"]
+    # measured on 2 cores: untrained 2.27, first validation 1.08, final 0.90, copy baseline 1.06
+    assert final < 0.5 * untrained, (untrained, final)
+    assert final < 0.9 * first, (first, final)
+    # the predictor beats "nothing changes", so it learned some of the dynamics, not just the layer norm
+    assert final < 0.95 * copy_baseline(trained["root"] / "val"), final
+    assert summary["final_val_loss"] == final
+    out = trained["out"]
+    assert "[DDP] Initializing with backend=gloo, device=cpu" in out
+    assert "[DDP] Rank 0/2, local_rank=0, device=cpu" in out
+    assert "[DDP] Dataloader created with 600 samples, batch_size=16" in out
+    assert re.search(r"model: AC predictor, preset small \(depth 2, width 64, 4 heads\).*, [\d,]+ parameters", out)
+    rank1 = (trained["root"] / "logs" / "rank_1.log").read_text()
+    assert "[DDP] Rank 1/2, local_rank=1, device=cpu" in rank1 and "[RANK 1]" in rank1
+
+
+@pytest.mark.multi
+def test_actions_matter_shuffled_actions_lose(trained):
+    root, ckpt = trained["root"], trained["root"] / "ckpt" / "vjepa2_final.pt"
+
+    def evaluate(cmd):
+        r = run(cmd, cwd=root, timeout=120)
+        assert r.returncode == 0, r.stdout[-4000:]
+        lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
+        assert len(lines) == 1, r.stdout  # one JSON line, from rank 0 only
+        return json.loads(lines[0])
+
+    args = ("--evaluate", ckpt, "--validation_data_dir", root / "val", "--device", "cpu")
+    true = evaluate(torchrun(2, SCRIPT, *args))
+    shuffled = evaluate(script(*args, "--shuffle_actions"))
+    assert set(true) == {"loss", "jloss", "sloss", "samples"} and true["samples"] == shuffled["samples"] == 50
+    # evaluation of the saved weights reproduces the trainer's last validation (2 ranks, sharded, all-reduced)
+    final = [r for r in trained["records"] if r["type"] == "val"][-1]
+    assert true["loss"] == pytest.approx(final["val_loss"], rel=1e-5)
+    assert true["jloss"] + true["sloss"] == pytest.approx(true["loss"], rel=1e-6)
+    # measured: 0.90 with the true actions, 1.15 with another trajectory's
+    assert shuffled["loss"] > 1.15 * true["loss"], (true, shuffled)
+    assert shuffled["jloss"] > 1.1 * true["jloss"] and shuffled["sloss"] > 1.1 * true["sloss"]
+
+
+@pytest.mark.multi
+def test_checkpoints_names_cadence_and_contents(trained):
+    ckpt_dir = trained["root"] / "ckpt"
+    names = {p.name for p in ckpt_dir.iterdir() if WEIGHTS_FILE.match(p.name)}
+    # 18 steps per epoch (300 trajectories per rank // 16), 180 steps
+    assert names == {"vjepa2_best.pt", "vjepa2_final.pt", "vjepa2_step_50.pt", "vjepa2_step_100.pt",
+                     "vjepa2_step_150.pt", "vjepa2_epoch_3.pt", "vjepa2_epoch_6.pt", "vjepa2_epoch_9.pt"}
+    vals = {r["step"]: r["val_loss"] for r in trained["records"] if r["type"] == "val"}
+    best_step = min(vals, key=vals.get)
+    steps = {"final": 180, "best": best_step, "step_50": 50, "step_100": 100, "step_150": 150,
+             "epoch_3": 54, "epoch_6": 108, "epoch_9": 162}
+    for tag, step in steps.items():
+        ckpt = torch.load(ckpt_dir / f"vjepa2_{tag}.pt", weights_only=True)
+        # weights, step, val loss and the predictor's shape; no optimizer or scheduler state
+        assert set(ckpt) == {"predictor", "global_step", "val_loss", "predictor_config"}, (tag, set(ckpt))
+        assert ckpt["global_step"] == step, tag
+        assert not any(k.startswith("module.") for k in ckpt["predictor"])
+        # the last validation so far (the one at this very step, when it runs first)
+        known = [vals[max(s for s in vals if s < step)], vals[max(s for s in vals if s <= step)]]
+        assert any(ckpt["val_loss"] == pytest.approx(v) for v in known), (tag, ckpt["val_loss"], known)
+    best = torch.load(ckpt_dir / "vjepa2_best.pt", weights_only=True)
+    assert best["val_loss"] == pytest.approx(min(vals.values()))
+    model = vj2.ACPredictor(**best["predictor_config"])
+    model.load_state_dict(best["predictor"])
+    assert best["predictor_config"] == dict(embed_dim=D, num_patches=P, action_dim=A * C, max_steps=T - 1,
+                                            predictor_dim=64, depth=2, num_heads=4, mlp_ratio=4)
+
+
+@pytest.mark.multi
+def test_rollout_horizon_longer_than_the_data_fails_fast_on_both_ranks(tmp_path):
+    gen.generate(tmp_path / "short", num_files=1, trajectories_per_file=8, steps=2)
+    t0 = time.time()
+    # a slow agent poll gives the second rank time to fail on its own before the agent stops the group
+    r = run(torchrun(2, SCRIPT, "--device", "cpu", "--processed_data_dir", tmp_path / "short",
+                     "--validation_data_dir", tmp_path / "short", "--rollout_horizon", "2", "--log_dir", "logs",
+                     "--checkpoint_dir", "ckpt", extra=("--monitor-interval", "3")), cwd=tmp_path, timeout=60)
+    assert r.returncode != 0 and time.time() - t0 < 60
+    assert "error: --processed_data_dir" in r.stdout and "T=2" in r.stdout and "rollout_horizon=2" in r.stdout
+    for rank in (0, 1):
+        text = (tmp_path / "logs" / f"rank_{rank}.log").read_text()
+        assert "T=2" in text and "rollout_horizon=2" in text and "step 1/" not in text
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_corrupt_file_is_named_and_can_be_skipped(tmp_path, no_launch_env):
+    gen.generate(tmp_path / "train", num_files=2, trajectories_per_file=8)
+    gen.generate(tmp_path / "val", num_files=1, trajectories_per_file=4, seed=1)
+    good = (tmp_path / "train" / "train_00000.npz").read_bytes()
+    (tmp_path / "train" / "broken.npz").write_bytes(good[: len(good) // 2])
+    common = ("--device", "cpu", "--processed_data_dir", tmp_path / "train", "--validation_data_dir",
+              tmp_path / "val", "--batch_size", "4", "--checkpoint_dir", "ckpt")
+    r = run(script(*common), cwd=tmp_path, timeout=60)
+    assert r.returncode == 2 and "broken.npz" in r.stdout and "--processed_data_dir" in r.stdout, r.stdout
+    assert not (tmp_path / "ckpt" / "vjepa2_final.pt").exists()
+    r = run(script(*common, "--skip_bad_files", "--max_steps", "3"), cwd=tmp_path, timeout=60)
+    assert r.returncode == 0, r.stdout[-4000:]
+    assert "skipping bad data file" in r.stdout and "broken.npz" in r.stdout
+    assert "16 trajectories, 1 skipped" in r.stdout
+    assert torch.load(tmp_path / "ckpt" / "vjepa2_final.pt", weights_only=True)["global_step"] == 3
+
+
+def test_interrupted_run_saves_its_weights_and_exits_preempted(tmp_path):
+    gen.generate(tmp_path / "train", num_files=1, trajectories_per_file=64)
+    gen.generate(tmp_path / "val", num_files=1, trajectories_per_file=4, seed=1)
+    metrics = tmp_path / "ckpt" / "metrics.jsonl"
+    proc = subprocess.Popen([str(c) for c in script(
+        "--device", "cpu", "--processed_data_dir", tmp_path / "train", "--validation_data_dir", tmp_path / "val",
+        "--batch_size", "2", "--num_epochs", "50", "--val_every_iters", "0", "--checkpoint_dir", "ckpt")],
+        cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 60
+        while not (metrics.exists() and '"type": "train"' in metrics.read_text()) and time.time() < deadline:
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == rt.EXIT_PREEMPTED, out[-4000:]
+    ckpt = torch.load(tmp_path / "ckpt" / "vjepa2_interrupted.pt", weights_only=True)
+    # no validation ran yet, so no val_loss
+    assert set(ckpt) == {"predictor", "global_step", "predictor_config"} and ckpt["global_step"] >= 1
+    assert not (tmp_path / "ckpt" / "vjepa2_final.pt").exists()
+
+
+@pytest.mark.multi
+def test_documented_cpu_command(tmp_path):
+    gen_cmd = [sys.executable, REPO / "create_synthetic_data.py"]
+    run(gen_cmd + ["--output_dir", "./train_data", "--num_files", "3", "--trajectories_per_file", "10"],
+        cwd=tmp_path, check=True, timeout=60)
+    run(gen_cmd + ["--output_dir", "./val_data", "--seed", "1", "--num_files", "1"], cwd=tmp_path, check=True,
+        timeout=60)
+    # as documented, plus --standalone (a free rendezvous port, so parallel runs cannot collide on 29500)
+    t0 = time.time()
+    r = run(torchrun(2, SCRIPT, "--device", "cpu", "--dist-backend", "gloo", "--processed_data_dir", "./train_data",
+                     "--validation_data_dir", "./val_data", "--num_epochs", "1", "--batch_size", "2",
+                     "--save_every_iters", "100"), cwd=tmp_path, timeout=120, env=clean_env())
+    wall = time.time() - t0
+    assert r.returncode == 0, r.stdout[-6000:]
+    assert wall < 120
+    (run_dir,) = (tmp_path / "checkpoints").iterdir()  # checkpoints/<launch time>, shared by both ranks
+    assert re.fullmatch(r"\d{8}_\d{6}", run_dir.name)
+    # 30 trajectories, 2 ranks, 2 per step: 7 steps, so no step_N (every 100) and no epoch_N (off by default)
+    assert {p.name for p in run_dir.iterdir() if WEIGHTS_FILE.match(p.name)} == {"vjepa2_best.pt", "vjepa2_final.pt"}
+    assert {"rank_0.log", "rank_1.log", "metrics.jsonl"} <= {p.name for p in run_dir.iterdir()}
+    records = read_metrics(run_dir)
+    first_loss = next(r["loss"] for r in records if r["type"] == "train")
+    summary = records[-1]
+    assert summary["type"] == "summary" and summary["steps"] == 7
+    # even 7 steps learn something (measured: 2.25 untrained, 1.35 after)
+    assert summary["final_val_loss"] < 0.75 * first_loss
+    assert "[DDP] Dataloader created with 30 samples, batch_size=2" in r.stdout
+    assert "preset small" in r.stdout

@@ -1,0 +1,390 @@
+"""
+Trains a V-JEPA 2-AC style action-conditioned predictor on VJ2 GUI trajectories, through DDPTrainer.
+
+The predictor reads frozen encoder tokens z_t [P, D] and the GUI actions a_t between steps, and predicts z_{t+1}.
+Per step t its tokens are [action_t, patch_1 .. patch_P]; a block-causal mask lets every token see its own step
+and earlier ones, so the output of step t can predict step t+1. The loss is L1 teacher forcing over steps 1..T-1
+plus L1 over an autoregressive rollout of --rollout_horizon steps, on layer-normed tokens (see DESIGN.md).
+
+    python create_synthetic_data.py --output_dir ./train_data --num_files 3 --trajectories_per_file 10
+    python create_synthetic_data.py --output_dir ./val_data --seed 1 --num_files 1
+    torchrun --nproc_per_node=2 vj2ac_train_multi_gpu.py --device cpu --dist-backend gloo \\
+        --processed_data_dir ./train_data --validation_data_dir ./val_data --num_epochs 1 --batch_size 2 \\
+        --save_every_iters 100
+    python vj2ac_train_multi_gpu.py --evaluate checkpoints/RUN/vjepa2_final.pt --validation_data_dir ./val_data \\
+        [--shuffle_actions]
+
+Checkpoints (rank 0, weights only): checkpoint_dir/vjepa2_{best,step_N,epoch_N,interrupted,final}.pt, each
+holding `predictor`, `global_step`, `predictor_config` and `val_loss` once a validation has run.
+"""
+
+import argparse
+import json
+import sys
+import time
+from functools import partial
+
+import numpy as np
+import psutil
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+import config
+import ddp_runtime as rt
+from ddp_training import DDPTrainer, evaluate_model
+from vj2_dataloader import VJ2TrajectoryDataset
+
+# -----------------------------------------------------------------------------------------------------------------
+# the predictor
+
+
+class BlockCausalAttention(nn.Module):
+    def __init__(self, width, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x, mask):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.proj(y.transpose(1, 2).reshape(b, n, c))
+
+
+class Block(nn.Module):
+    def __init__(self, width, heads, mlp_ratio):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(width)
+        self.attn = BlockCausalAttention(width, heads)
+        self.ln2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, mlp_ratio * width), nn.GELU(), nn.Linear(mlp_ratio * width, width))
+
+    def forward(self, x, mask):
+        x = x + self.attn(self.ln1(x), mask)
+        return x + self.mlp(self.ln2(x))
+
+
+class ACPredictor(nn.Module):
+    """
+    predict(z [B, S, P, D], actions [B, S, A*C]) -> layer-normed predictions of z_1 .. z_S, one per input step.
+    forward(embeddings [B, T, P, D], actions [B, T-1, A*C], rollout_horizon) -> per-sample (jloss, sloss).
+    """
+
+    def __init__(self, embed_dim, num_patches, action_dim, max_steps, predictor_dim, depth, num_heads, mlp_ratio=4):
+        super().__init__()
+        if predictor_dim % num_heads:
+            raise ValueError(f"predictor_dim={predictor_dim} must be divisible by num_heads={num_heads}")
+        self.config = dict(embed_dim=embed_dim, num_patches=num_patches, action_dim=action_dim,
+                           max_steps=max_steps, predictor_dim=predictor_dim, depth=depth, num_heads=num_heads,
+                           mlp_ratio=mlp_ratio)
+        self.patch_in = nn.Linear(embed_dim, predictor_dim)
+        self.action_in = nn.Linear(action_dim, predictor_dim)
+        self.patch_pos = nn.Parameter(torch.zeros(num_patches, predictor_dim))
+        self.step_pos = nn.Parameter(torch.zeros(max_steps, predictor_dim))
+        self.blocks = nn.ModuleList(Block(predictor_dim, num_heads, mlp_ratio) for _ in range(depth))
+        self.norm = nn.LayerNorm(predictor_dim)
+        self.patch_out = nn.Linear(predictor_dim, embed_dim)
+        self.apply(self._init)
+        nn.init.normal_(self.patch_pos, std=0.02)
+        nn.init.normal_(self.step_pos, std=0.02)
+        # masks depend only on the shape, so each is built once; a plain dict keeps them out of the state dict
+        self._masks = {}
+
+    @staticmethod
+    def _init(m):
+        if isinstance(m, nn.Linear):
+            nn.init.trunc_normal_(m.weight, std=0.02)
+            nn.init.zeros_(m.bias)
+
+    def block_causal_mask(self, steps, tokens_per_step, device):
+        """[L, L] boolean, True where attention is allowed: token i sees token j iff step(j) <= step(i)."""
+        key = (steps, tokens_per_step, device)
+        if key not in self._masks:
+            step = torch.arange(steps, device=device).repeat_interleave(tokens_per_step)
+            self._masks[key] = step[None, :] <= step[:, None]
+        return self._masks[key]
+
+    def predict(self, z, actions):
+        B, S, P, D = z.shape
+        if S > self.config["max_steps"]:
+            raise ValueError(f"{S} input steps but the predictor has position embeddings for "
+                             f"max_steps={self.config['max_steps']}")
+        patches = self.patch_in(z) + self.patch_pos
+        action = self.action_in(actions)[:, :, None]
+        x = (torch.cat([action, patches], 2) + self.step_pos[:S, None]).flatten(1, 2)
+        mask = self.block_causal_mask(S, 1 + P, x.device)
+        for block in self.blocks:
+            x = block(x, mask)
+        # only patch outputs are predictions; the action token's output is dropped
+        x = self.norm(x).view(B, S, 1 + P, -1)[:, :, 1:]
+        return F.layer_norm(self.patch_out(x), (D,))
+
+    def forward(self, embeddings, actions, rollout_horizon):
+        # Teacher forcing and the rollout share this one call so that DDP sees a single forward per micro-step
+        # whose outputs all reach the backward (several DDP forwards before one backward are an error).
+        z = F.layer_norm(embeddings, (embeddings.shape[-1],))
+        teacher = self.predict(z[:, :-1], actions)
+        jloss = (teacher - z[:, 1:]).abs().mean((1, 2, 3))
+        # The first rollout step sees exactly what teacher forcing saw (z_0, a_0): reuse its prediction. Later
+        # steps feed the predictions back; gradients flow through them, so early errors that compound are
+        # penalised where they are made.
+        rollout = [teacher[:, 0]]
+        for k in range(1, rollout_horizon):
+            context = torch.cat([z[:, :1], torch.stack(rollout, 1)], 1)
+            rollout.append(self.predict(context, actions[:, :k + 1])[:, -1])
+        sloss = (torch.stack(rollout, 1) - z[:, 1:rollout_horizon + 1]).abs().mean((1, 2, 3))
+        return jloss, sloss
+
+
+def vj2_loss(model, batch, rollout_horizon):
+    """DDPTrainer's contract: (sum over samples of jloss + sloss, samples, {name: sum})."""
+    embeddings, actions = batch
+    # embeddings may be float16 on disk; the trainer moved them to the device as stored
+    jloss, sloss = model(embeddings.float(), actions.float(), rollout_horizon)
+    return (jloss + sloss).sum(), jloss.shape[0], {"jloss": jloss.sum(), "sloss": sloss.sum()}
+
+# -----------------------------------------------------------------------------------------------------------------
+# data
+
+
+class BadInput(Exception):
+    """A user error (flag, file, checkpoint): reported in one line, exit status 2."""
+
+
+def load_dataset(flag, path, args, logger=None):
+    try:
+        return VJ2TrajectoryDataset(path, skip_bad_files=args.skip_bad_files, logger=logger,
+                                    rollout_horizon=args.rollout_horizon)
+    except (ValueError, OSError) as exc:  # DataFileError and the horizon check are ValueErrors
+        raise BadInput(f"{flag}: {exc}") from exc
+
+
+class ShuffledActions(Dataset):
+    """Each trajectory's embeddings with another trajectory's actions, by a fixed derangement (seeded)."""
+
+    def __init__(self, dataset, seed):
+        if len(dataset) < 2:
+            raise BadInput("--shuffle_actions needs at least 2 validation trajectories")
+        self.dataset = dataset
+        order = np.random.default_rng(seed).permutation(len(dataset))
+        # following a random cycle through all trajectories moves every one of them
+        self.partner = np.empty_like(order)
+        self.partner[order] = np.roll(order, -1)
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        return self.dataset[i][0], self.dataset[int(self.partner[i])][1]
+
+
+def predictor_for(geometry, args):
+    T, P, D, A, C = geometry
+    return ACPredictor(embed_dim=D, num_patches=P, action_dim=A * C, max_steps=T - 1,
+                       predictor_dim=args.predictor_dim, depth=args.depth, num_heads=args.num_heads)
+
+
+def check_fits(predictor, geometry, flag):
+    T, P, D, A, C = geometry
+    cfg = predictor.config
+    if (cfg["embed_dim"], cfg["num_patches"], cfg["action_dim"]) != (D, P, A * C) or T - 1 > cfg["max_steps"]:
+        raise BadInput(f"{flag}: data geometry {geometry} does not fit the predictor (embed_dim={cfg['embed_dim']}, "
+                       f"num_patches={cfg['num_patches']}, action_dim=A*C={cfg['action_dim']}, "
+                       f"max_steps=T-1<={cfg['max_steps']})")
+
+# -----------------------------------------------------------------------------------------------------------------
+# command line
+
+# --test: a quick run; explicit flags still win
+TEST_DEFAULTS = dict(max_steps=20, val_every_iters=10, preset="tiny")
+# default --lr per preset: the small ones train fast on the synthetic data; a 300M-parameter predictor needs a
+# conservative rate
+PRESET_LR = {"tiny": 1e-2, "small": 5e-3, "vjepa2_ac": 4e-4}
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
+    d = " (default %(default)s)"
+    p.add_argument("--processed_data_dir", help="training .npz files (required unless --evaluate)")
+    p.add_argument("--validation_data_dir", help="validation .npz files (required)")
+    p.add_argument("--num_epochs", type=int, default=1, help=d)
+    p.add_argument("--batch_size", "--batch-size", type=int, default=4, help="trajectories per rank and step" + d)
+    p.add_argument("--num_workers", type=int, default=0, help="DataLoader workers per rank" + d)
+    p.add_argument("--save_every_iters", type=int, default=500, help="vjepa2_step_N.pt every N steps; 0 = off" + d)
+    p.add_argument("--save_every_epochs", type=int, default=0, help="vjepa2_epoch_N.pt every N epochs; 0 = off" + d)
+    p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda if available")
+    p.add_argument("--dist-backend", "--dist_backend", dest="dist_backend", choices=["nccl", "gloo"],
+                   help="default: nccl on cuda, gloo on cpu")
+    p.add_argument("--local_rank", "--local-rank", type=int,
+                   help="ignored (torch.distributed.launch passes it); LOCAL_RANK from the environment is used")
+    p.add_argument("--checkpoint_dir", help="default: checkpoints/<launch time>")
+    p.add_argument("--log_dir", help="rank_N.log and metrics.jsonl; default: the checkpoint dir")
+    p.add_argument("--rollout_horizon", type=int, default=config.ROLLOUT_HORIZON,
+                   help="autoregressive steps in the rollout loss; needs T-1 >= it" + d)
+    p.add_argument("--lr", type=float, help=f"peak learning rate; default by preset: {PRESET_LR}")
+    p.add_argument("--weight_decay", type=float, default=0.04, help=d)
+    p.add_argument("--warmup_steps", type=int, default=5, help=d)
+    p.add_argument("--grad_accum_steps", type=int, default=1, help="micro-steps per optimizer step" + d)
+    p.add_argument("--max_steps", type=int, default=0, help="optimizer steps; 0 = --num_epochs worth")
+    p.add_argument("--val_every_iters", type=int, default=100, help="0 = at the end of every epoch" + d)
+    p.add_argument("--preset", choices=sorted(config.PREDICTOR_PRESETS), default=config.DEFAULT_PREDICTOR_PRESET,
+                   help=f"predictor size: {config.PREDICTOR_PRESETS}" + d)
+    p.add_argument("--depth", type=int, help="overrides the preset")
+    p.add_argument("--num_heads", type=int, help="overrides the preset")
+    p.add_argument("--predictor_dim", type=int, help="overrides the preset")
+    p.add_argument("--seed", type=int, default=0, help=d)
+    p.add_argument("--resume", default="auto",
+                   help="auto: the newest resumable state in --checkpoint_dir, if any | none | PATH")
+    p.add_argument("--no_amp", action="store_true", help="no mixed precision on CUDA")
+    p.add_argument("--evaluate", metavar="CKPT", help="only evaluate this checkpoint on --validation_data_dir")
+    p.add_argument("--shuffle_actions", action="store_true",
+                   help="with --evaluate: pair each trajectory with another one's actions")
+    p.add_argument("--skip_bad_files", action="store_true", help="warn about bad .npz files instead of failing")
+    p.add_argument("--dist_timeout", type=float, default=rt.DEFAULT_DIST_TIMEOUT_S,
+                   help="seconds a collective may wait" + d)
+    p.add_argument("--debug", action="store_true", help="debug logs on every rank")
+    p.add_argument("--test", action="store_true", help=f"quick run: {TEST_DEFAULTS}")
+    return p
+
+
+def parse_args(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.test:
+        parser.set_defaults(**TEST_DEFAULTS)
+        args = parser.parse_args(argv)
+    for key, value in config.PREDICTOR_PRESETS[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.lr = PRESET_LR[args.preset] if args.lr is None else args.lr
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.evaluate:
+        if not args.validation_data_dir:
+            parser.error("--evaluate needs --validation_data_dir")
+    elif not (args.processed_data_dir and args.validation_data_dir):
+        parser.error("--processed_data_dir and --validation_data_dir are required (unless --evaluate)")
+    elif args.shuffle_actions:
+        parser.error("--shuffle_actions only applies to --evaluate")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available (use --device cpu --dist-backend gloo)")
+    if args.device == "cpu" and args.dist_backend == "nccl":
+        parser.error("--dist-backend nccl needs CUDA; use gloo with --device cpu")
+    for flag in ("batch_size", "rollout_horizon", "depth", "num_heads", "predictor_dim", "grad_accum_steps"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    if args.predictor_dim % args.num_heads:
+        parser.error(f"--predictor_dim {args.predictor_dim} must be divisible by --num_heads {args.num_heads}")
+    return args
+
+
+def launch_time_name(launcher):
+    # Every rank must pick the same directory without talking (there is no process group yet), and a worker
+    # group that torchrun restarts must find it again to resume: name it after the launcher's start time.
+    # Ranks on other nodes have their own launcher; give multi-node runs an explicit --checkpoint_dir.
+    pid = psutil.Process().ppid() if launcher != "none" else psutil.Process().pid
+    return time.strftime("%Y%m%d_%H%M%S", time.localtime(psutil.Process(pid).create_time()))
+
+
+def train_config(args, launch):
+    """The DDPTrainer config (see ddp_training.TrainConfig) from the command line."""
+    checkpoint_dir = args.checkpoint_dir or f"checkpoints/{launch_time_name(launch['launcher'])}"
+    return dict(num_epochs=args.num_epochs, batch_size=args.batch_size, num_workers=args.num_workers,
+                save_every_iters=args.save_every_iters, save_interval=args.save_every_epochs, device=args.device,
+                dist_backend=args.dist_backend, checkpoint_dir=checkpoint_dir,
+                log_dir=args.log_dir or checkpoint_dir, learning_rate=args.lr, max_steps=args.max_steps,
+                val_interval=args.val_every_iters, seed=args.seed, resume=args.resume,
+                dist_timeout=args.dist_timeout, debug=args.debug, grad_accum_steps=args.grad_accum_steps,
+                weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, checkpoint_prefix="vjepa2",
+                use_amp=not args.no_amp)
+
+# -----------------------------------------------------------------------------------------------------------------
+# training and evaluation
+
+
+def train(args, launch):
+    cfg = train_config(args, launch)
+    # the trainer's logger has the same name: it replaces these handlers, so no line is written twice
+    log = rt.setup_logger(cfg["log_dir"], launch["rank"], args.debug)
+    backend = rt.pick_backend(args.dist_backend, args.device) if launch["world_size"] > 1 else "none (1 process)"
+    log.info("[DDP] Initializing with backend=%s, device=%s", backend, args.device)
+    # Every rank validates the data before any process group exists, so a bad file or a horizon that does
+    # not fit fails each rank on its own within seconds instead of leaving the others waiting in a collective.
+    try:
+        train_set = load_dataset("--processed_data_dir", args.processed_data_dir, args, log)
+        val_set = load_dataset("--validation_data_dir", args.validation_data_dir, args, log)
+        if val_set.geometry != train_set.geometry:
+            raise BadInput(f"--validation_data_dir: geometry {val_set.geometry} differs from the training "
+                           f"data's {train_set.geometry}")
+    except BadInput as exc:
+        log.error("%s", exc)  # into rank_N.log too: each rank's file shows that it stopped on its own
+        raise
+    log.info("train: %s", train_set.summary())
+    log.info("val: %s", val_set.summary())
+
+    torch.manual_seed(args.seed)
+    predictor = predictor_for(train_set.geometry, args)
+    describe = (f"AC predictor, preset {args.preset} (depth {args.depth}, width {args.predictor_dim}, "
+                f"{args.num_heads} heads), data {train_set.geometry}, rollout_horizon {args.rollout_horizon}")
+    try:
+        trainer = DDPTrainer(rank=launch["rank"], world_size=launch["world_size"], local_rank=launch["local_rank"],
+                             config=cfg, model=predictor, train_dataset=train_set, val_dataset=val_set,
+                             loss_fn=partial(vj2_loss, rollout_horizon=args.rollout_horizon),
+                             checkpoint_extra={"predictor_config": predictor.config}, weights_key="predictor",
+                             count_unit="samples", describe=describe)
+    except (ValueError, rt.CheckpointError) as exc:  # e.g. fewer trajectories per rank than --batch_size
+        raise BadInput(str(exc)) from exc
+    env = trainer.env
+    log.info("[DDP] Rank %d/%d, local_rank=%d, device=%s", env.rank, env.world_size, env.local_rank, env.device)
+    log.info("[DDP] Dataloader created with %d samples, batch_size=%d (%d batches per rank per epoch)",
+             len(train_set), args.batch_size, len(trainer.train_loader))
+    summary = trainer.train()
+    return rt.EXIT_PREEMPTED if summary["status"] == "interrupted" else 0
+
+
+def load_predictor(path):
+    try:
+        ckpt = rt.load_checkpoint(path)  # weights_only=True, checks the .sha256 sidecar
+        predictor = ACPredictor(**ckpt["predictor_config"])
+        predictor.load_state_dict(ckpt["predictor"])
+    except (rt.CheckpointError, KeyError, TypeError, RuntimeError) as exc:
+        raise BadInput(f"--evaluate {path}: not a usable predictor checkpoint "
+                       f"({type(exc).__name__}: {exc})") from exc
+    return predictor
+
+
+def evaluate(args, launch):
+    predictor = load_predictor(args.evaluate)
+    val_set = load_dataset("--validation_data_dir", args.validation_data_dir, args)
+    check_fits(predictor, val_set.geometry, "--validation_data_dir")
+    if args.shuffle_actions:
+        val_set = ShuffledActions(val_set, args.seed)
+    env = rt.setup_distributed(launch["rank"], launch["world_size"], launch["local_rank"], args.dist_backend,
+                               args.device, args.dist_timeout)
+    try:
+        loader = rt.build_dataloader(val_set, args.batch_size, train=False, rank=env.rank,
+                                     world_size=env.world_size, seed=args.seed, num_workers=args.num_workers)
+        loss_fn = partial(vj2_loss, rollout_horizon=args.rollout_horizon)
+        result = evaluate_model(predictor.to(env.device), loader, loss_fn, env.device)
+    finally:
+        rt.teardown_distributed()
+    if env.is_main:
+        print(json.dumps({"loss": result["loss"], "jloss": result["jloss"], "sloss": result["sloss"],
+                          "samples": int(result["count"])}), flush=True)
+    return 0
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    launch = rt.detect_launch_env()  # LOCAL_RANK from the environment wins over --local_rank
+    try:
+        return evaluate(args, launch) if args.evaluate else train(args, launch)
+    except BadInput as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
