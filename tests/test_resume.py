@@ -259,3 +259,46 @@ def test_sigterm_to_the_agent_then_relaunch_is_bit_identical(tmp_path, reference
     out = finish(start(cmd, tmp_path), 180)  # the same command again
     assert (tmp_path / "ckpt" / "model_final.pt").exists(), out[-3000:]
     assert_bit_identical(final_weights(tmp_path), reference_torchrun)
+
+
+# -- the VJ2 trainer resumes bit-exactly too ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def vj2_root(tmp_path_factory):
+    import create_synthetic_data as gen
+    root = tmp_path_factory.mktemp("vj2resume")
+    gen.generate(root / "train", num_files=1, trajectories_per_file=128, seed=0)
+    gen.generate(root / "val", num_files=1, trajectories_per_file=8, seed=1)
+    return root
+
+
+def vj2_cmd(root, run):
+    return torchrun(2, "vj2ac_train_multi_gpu.py", "--device", "cpu", "--dist-backend", "gloo",
+                    "--processed_data_dir", root / "train", "--validation_data_dir", root / "val",
+                    "--batch_size", "4", "--max_steps", "80", "--val_every_iters", "30",
+                    "--save_every_iters", "10", "--checkpoint_dir", run)
+
+
+def vj2_final(run):
+    return torch.load(run / "vjepa2_final.pt", weights_only=True)["predictor"]
+
+
+@pytest.mark.multi
+def test_vj2_sigterm_then_relaunch_is_bit_identical(tmp_path, vj2_root):
+    ref = tmp_path / "ref"
+    out = finish(start([str(c) for c in vj2_cmd(vj2_root, ref)], tmp_path), 180)
+    assert (ref / "vjepa2_final.pt").exists(), out[-3000:]
+    run_dir = tmp_path / "run"
+    cmd = [str(c) for c in vj2_cmd(vj2_root, run_dir)]
+    agent = start(cmd, tmp_path)
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((run_dir / "metrics.jsonl").exists() and
+                                          '"step": 25,' in (run_dir / "metrics.jsonl").read_text()):
+        time.sleep(0.05)
+    agent.send_signal(signal.SIGTERM)
+    finish(agent, 60)
+    step = json.loads((run_dir / "PREEMPTED").read_text())["step"]
+    assert 25 <= step < 80
+    out = finish(start(cmd, tmp_path), 180)
+    assert (run_dir / "vjepa2_final.pt").exists(), out[-3000:]
+    assert_bit_identical(vj2_final(run_dir), vj2_final(ref))

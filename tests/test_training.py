@@ -340,6 +340,50 @@ def test_npy_token_file_is_memory_mapped_and_trains(tmp_path, no_launch_env):
     assert s["final_val_loss"] < s["unigram_entropy"]
 
 
+# -- the VJ2 (V-JEPA 2-AC) pipeline: data, 1 rank, 2 ranks ----------------------------------
+
+@pytest.fixture(scope="module")
+def vj2_data(tmp_path_factory):
+    import create_synthetic_data as gen
+    root = tmp_path_factory.mktemp("vj2")
+    gen.generate(root / "train", num_files=2, trajectories_per_file=64, seed=0)
+    gen.generate(root / "val", num_files=1, trajectories_per_file=16, seed=1)
+    return root
+
+
+def vj2_args(root, run, *extra):
+    return ["--device", "cpu", "--processed_data_dir", root / "train", "--validation_data_dir", root / "val",
+            "--batch_size", "8", "--max_steps", "40", "--val_every_iters", "20", "--save_every_iters", "20",
+            "--checkpoint_dir", run, *extra]
+
+
+def check_vj2_run(run: Path, world_size: int):
+    records = read_metrics(run)
+    val = [r["val_loss"] for r in records if r["type"] == "val"]
+    first = [r["loss"] for r in records if r["type"] == "train"][0]
+    summary = records[-1]
+    assert summary["type"] == "summary" and summary["world_size"] == world_size and summary["steps"] == 40
+    assert val[-1] < 0.8 * first, (first, val)  # the predictor learns: loss down by over 20% in 40 steps
+    ckpt = torch.load(run / "vjepa2_final.pt", weights_only=True)
+    assert set(ckpt) == {"predictor", "global_step", "val_loss", "predictor_config"}
+    assert ckpt["global_step"] == 40 and not any(k.startswith("module.") for k in ckpt["predictor"])
+
+
+def test_vj2_pipeline_one_rank(tmp_path, vj2_data):
+    r = run([sys.executable, REPO / "vj2ac_train_multi_gpu.py", *vj2_args(vj2_data, tmp_path / "run")],
+            cwd=tmp_path, timeout=180)
+    assert r.returncode == 0, r.stdout[-4000:]
+    check_vj2_run(tmp_path / "run", 1)
+
+
+@pytest.mark.multi
+def test_vj2_pipeline_two_ranks(tmp_path, vj2_data):
+    r = run(torchrun(2, "vj2ac_train_multi_gpu.py", *vj2_args(vj2_data, tmp_path / "run", "--dist-backend", "gloo")),
+            cwd=tmp_path, timeout=180)
+    assert r.returncode == 0, r.stdout[-4000:]
+    check_vj2_run(tmp_path / "run", 2)
+
+
 # -- run directories, progress bar, TensorBoard -----------------------------------------
 
 def test_default_run_dir_layout(tmp_path, no_launch_env, monkeypatch):
