@@ -4,8 +4,10 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -50,6 +52,29 @@ def run(cmd, cwd, timeout=180, env=None, check=False) -> subprocess.CompletedPro
 def torchrun(nproc: int, script: str, *args, extra=()) -> list:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             *extra, str(REPO / script), *args]
+
+
+def wait_for_step(metrics: Path, step: int, timeout: float = 90) -> None:
+    """Until metrics.jsonl holds the train record of `step` (the run is past its start-up)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if metrics.exists() and any(f'"step": {step},' in line for line in metrics.read_text().splitlines()):
+            return
+        time.sleep(0.05)
+    pytest.fail(f"step {step} not reached in {metrics} within {timeout}s")
+
+
+def torchrun_workers(agent: subprocess.Popen) -> dict:
+    """rank -> psutil.Process of the workers a torchrun agent started."""
+    out = {}
+    for child in psutil.Process(agent.pid).children(recursive=True):
+        try:
+            env = child.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if "RANK" in env and "TORCHELASTIC_RUN_ID" in env:
+            out[int(env["RANK"])] = child
+    return out
 
 
 @pytest.fixture

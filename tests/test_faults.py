@@ -8,15 +8,14 @@ import subprocess
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 import torch.nn as nn
 
 import ddp_runtime as rt
-from conftest import clean_env, torchrun
+from conftest import clean_env, torchrun, torchrun_workers, wait_for_step
 from dist_helpers import spawn
-from ddp_training import CausalLM, DDPTrainer, StepFailed, lm_loss, synthetic_lm_data, TrainConfig
+from ddp_training import CausalLM, DDPTrainer, TrainConfig, lm_loss, synthetic_lm_data
 
 pytestmark = pytest.mark.multi
 
@@ -45,20 +44,23 @@ class OnRank:
             if self.what == "raise":
                 raise ValueError("injected failure in forward")
             if self.what == "raise_in_backward":
-                return BreakInBackward.apply(s), c
+                return RaiseInBackward.apply(s, RuntimeError("injected failure in backward")), c
             if self.what == "exit":
                 os._exit(3)
         return s, c
 
 
-class BreakInBackward(torch.autograd.Function):
+class RaiseInBackward(torch.autograd.Function):
+    """Identity forward; the backward raises the given error."""
+
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, error):
+        ctx.error = error
         return x.clone()
 
     @staticmethod
     def backward(ctx, g):
-        raise RuntimeError("injected failure in backward")
+        raise ctx.error
 
 
 def _run(rank, world_size, root, bad_rank, step, what, extra=None):
@@ -218,13 +220,8 @@ def test_a_stopped_rank_turns_into_a_timeout_error_on_the_others(tmp_path):
                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
     stopped = None
     try:
-        metrics = tmp_path / "logs" / "metrics.jsonl"
-        deadline = time.time() + 90
-        while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 5):
-            time.sleep(0.1)
-        for child in psutil.Process(agent.pid).children(recursive=True):
-            if child.environ().get("RANK") == "1":
-                stopped = child
+        wait_for_step(tmp_path / "logs" / "metrics.jsonl", 5)
+        stopped = torchrun_workers(agent)[1]
         stopped.send_signal(signal.SIGSTOP)
         t0 = time.time()
         log0 = tmp_path / "logs" / "rank_0.log"
@@ -256,18 +253,8 @@ class OutOfMemoryAbove:
                 raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
             if not self.fired:
                 self.fired = True
-                return OomInBackward.apply(s), c
+                return RaiseInBackward.apply(s, torch.OutOfMemoryError("CUDA out of memory (simulated, backward)")), c
         return s, c
-
-
-class OomInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        raise torch.OutOfMemoryError("CUDA out of memory (simulated, backward)")
 
 
 def _oom(rank, world_size, root, limit, in_backward):
@@ -342,10 +329,7 @@ def test_sigusr1_through_the_launcher_preempts_cleanly(tmp_path):
                              cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              start_new_session=True)
     try:
-        metrics = tmp_path / "logs" / "metrics.jsonl"
-        deadline = time.time() + 90
-        while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 5):
-            time.sleep(0.1)
+        wait_for_step(tmp_path / "logs" / "metrics.jsonl", 5)
         agent.send_signal(signal.SIGUSR1)  # the launcher exec'd torchrun: this is the agent
         agent.communicate(timeout=60)
     finally:

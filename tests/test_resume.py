@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 import ddp_runtime as rt
-from conftest import clean_env, torchrun
+from conftest import clean_env, torchrun, torchrun_workers, wait_for_step
 from dist_helpers import spawn
 from ddp_training import DDPTrainer, lm_loss
 
@@ -190,28 +189,6 @@ def start(cmd, cwd) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def wait_for_step(root: Path, step: int, timeout: float = 90) -> None:
-    deadline = time.time() + timeout
-    metrics = root / "logs" / "metrics.jsonl"
-    while time.time() < deadline:
-        if metrics.exists() and any(f'"step": {step},' in line for line in metrics.read_text().splitlines()):
-            return
-        time.sleep(0.05)
-    pytest.fail(f"step {step} not reached within {timeout}s")
-
-
-def workers(agent: subprocess.Popen) -> dict:
-    out = {}
-    for child in psutil.Process(agent.pid).children(recursive=True):
-        try:
-            env = child.environ()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        if "RANK" in env and "TORCHELASTIC_RUN_ID" in env:
-            out[int(env["RANK"])] = child
-    return out
-
-
 def finish(agent: subprocess.Popen, timeout: float) -> str:
     try:
         out, _ = agent.communicate(timeout=timeout)
@@ -232,8 +209,8 @@ def reference_torchrun(tmp_path_factory):
 @pytest.mark.multi
 def test_sigkill_a_worker_under_max_restarts_finishes_bit_identical(tmp_path, reference_torchrun):
     agent = start(torchrun(2, "ddp_training.py", *LONG, extra=["--max-restarts=1"]), tmp_path)
-    wait_for_step(tmp_path, 60)
-    workers(agent)[1].kill()  # SIGKILL: no handler runs, no checkpoint is written
+    wait_for_step(tmp_path / "logs" / "metrics.jsonl", 60)
+    torchrun_workers(agent)[1].kill()  # SIGKILL: no handler runs, no checkpoint is written
     out = finish(agent, 180)
     assert agent.returncode == 0, out[-4000:]
     log = (tmp_path / "logs" / "rank_1.log").read_text()
@@ -246,8 +223,8 @@ def test_sigkill_a_worker_under_max_restarts_finishes_bit_identical(tmp_path, re
 def test_sigterm_to_the_agent_then_relaunch_is_bit_identical(tmp_path, reference_torchrun):
     cmd = torchrun(2, "ddp_training.py", *LONG)
     agent = start(cmd, tmp_path)
-    wait_for_step(tmp_path, 40)
-    procs = list(workers(agent).values())
+    wait_for_step(tmp_path / "logs" / "metrics.jsonl", 40)
+    procs = list(torchrun_workers(agent).values())
     t0 = time.time()
     agent.send_signal(signal.SIGTERM)
     finish(agent, 60)
@@ -291,10 +268,7 @@ def test_vj2_sigterm_then_relaunch_is_bit_identical(tmp_path, vj2_root):
     run_dir = tmp_path / "run"
     cmd = [str(c) for c in vj2_cmd(vj2_root, run_dir)]
     agent = start(cmd, tmp_path)
-    deadline = time.time() + 120
-    while time.time() < deadline and not ((run_dir / "metrics.jsonl").exists() and
-                                          '"step": 25,' in (run_dir / "metrics.jsonl").read_text()):
-        time.sleep(0.05)
+    wait_for_step(run_dir / "metrics.jsonl", 25, timeout=120)
     agent.send_signal(signal.SIGTERM)
     finish(agent, 60)
     step = json.loads((run_dir / "PREEMPTED").read_text())["step"]

@@ -15,11 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
-from conftest import REPO, clean_env, run, torchrun
+from conftest import REPO, clean_env, run, torchrun, torchrun_workers, wait_for_step
 
 import ddp_runtime as rt
 from ddp_training import CausalLM, DDPTrainer, TrainConfig, build_arg_parser, config_from_args
@@ -234,19 +233,6 @@ def test_launcher_syntax_help_and_errors(tmp_path):
         assert r.returncode == 2 and message in r.stdout, (argv, r.stdout)
 
 
-def _worker_pids(agent: subprocess.Popen) -> dict:
-    """rank -> pid of the workers torchrun started."""
-    out = {}
-    for child in psutil.Process(agent.pid).children(recursive=True):
-        try:
-            env = child.environ()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        if "RANK" in env and "TORCHELASTIC_RUN_ID" in env:
-            out[int(env["RANK"])] = child.pid
-    return out
-
-
 @pytest.mark.multi
 def test_sigterm_on_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
     cmd = torchrun(2, "ddp_training.py", "--cpu", "--test", "--max_steps", "100000", "--val_interval", "0",
@@ -254,13 +240,10 @@ def test_sigterm_on_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
     agent = subprocess.Popen(cmd, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        deadline = time.time() + 90
-        metrics = tmp_path / "logs" / "metrics.jsonl"
-        while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 5):
-            time.sleep(0.2)
-        pids = _worker_pids(agent)
-        assert set(pids) == {0, 1}, "workers not found"
-        os.kill(pids[1], signal.SIGTERM)  # only rank 1 sees the signal
+        wait_for_step(tmp_path / "logs" / "metrics.jsonl", 5)
+        workers = torchrun_workers(agent)
+        assert set(workers) == {0, 1}, "workers not found"
+        workers[1].send_signal(signal.SIGTERM)  # only rank 1 sees the signal
         out, _ = agent.communicate(timeout=60)
     finally:
         if agent.poll() is None:
@@ -280,10 +263,7 @@ def test_sigterm_on_a_plain_run_exits_with_the_preempted_code(tmp_path):
     proc = subprocess.Popen([str(c) for c in cmd], cwd=tmp_path, env=clean_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        metrics = tmp_path / "logs" / "metrics.jsonl"
-        deadline = time.time() + 60
-        while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
-            time.sleep(0.1)
+        wait_for_step(tmp_path / "logs" / "metrics.jsonl", 3, timeout=60)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == rt.EXIT_PREEMPTED
     finally:

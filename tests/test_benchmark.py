@@ -1,0 +1,149 @@
+"""benchmark.py: every sub-command runs on a tiny configuration and its --json output carries every documented
+field, with positive, finite figures whose ratios agree with the rates they are computed from. No timing is
+asserted: these run on busy CI machines."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, clean_env
+
+TINY_LM = ["--hidden_size", "32", "--num_layers", "1", "--num_heads", "2", "--seq_len", "16", "--batch_size", "4"]
+
+
+def bench(*args, timeout=120):
+    """Run benchmark.py with --json; stdout must be exactly one JSON object."""
+    cmd = [sys.executable, str(REPO / "benchmark.py"), *map(str, args), "--json"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n{err[-4000:]}")
+    assert proc.returncode == 0, f"exit {proc.returncode}: {' '.join(cmd)}\n{err[-4000:]}"
+    return json.loads(out)  # fails on anything but one JSON document
+
+
+def positive(*values):
+    for v in values:
+        assert isinstance(v, (int, float)) and math.isfinite(v) and v > 0, v
+
+
+def close(a, b):
+    return math.isclose(a, b, rel_tol=1e-9)
+
+
+def check_env(out, command):
+    assert out["command"] == command
+    env = out["env"]
+    assert env["cores"] >= 1 and env["torch"] and env["cpu"]
+    assert len(env["loadavg_start"]) == 3 and len(env["loadavg_end"]) == 3
+    assert out["timed"]
+
+
+def test_overhead():
+    out = bench("overhead", *TINY_LM, "--steps", 4, "--warmup", 2, "--repeats", 2, "--threads", 1)
+    check_env(out, "overhead")
+    assert out["config"]["threads"] == 1 and out["config"]["max_steps"] == 6
+    assert out["config"]["save_interval"] == 0 and out["config"]["save_every_iters"] == 0
+    assert len(out["bare_runs"]) == len(out["trainer_runs"]) == len(out["pair_ratios"]) == 2
+    positive(out["bare_steps_per_s"], out["trainer_steps_per_s"], out["ratio"], *out["bare_runs"],
+             *out["trainer_runs"], out["bare_final_loss"], out["trainer_final_loss"])
+    assert close(out["ratio"], out["trainer_steps_per_s"] / out["bare_steps_per_s"])
+    for b, t, r in zip(out["bare_runs"], out["trainer_runs"], out["pair_ratios"]):
+        assert close(r, t / b)
+    assert min(out["bare_runs"]) <= out["bare_steps_per_s"] <= max(out["bare_runs"])
+    assert out["meets_target"] == (out["ratio"] >= out["target_ratio"]) and out["target_ratio"] == 0.97
+    # same model, seed, batches and schedule: both loops land on nearly the same loss
+    assert abs(out["bare_final_loss"] - out["trainer_final_loss"]) < 0.05
+
+
+@pytest.mark.multi
+def test_scaling():
+    out = bench("scaling", *TINY_LM, "--nproc", 2, "--steps", 3, "--warmup", 2, "--repeats", 1, timeout=150)
+    check_env(out, "scaling")
+    assert out["config"]["threads_per_process"] == 1 and out["config"]["batch_size_per_process"] == 4
+    one, two = out["rows"]
+    assert (one["processes"], two["processes"]) == (1, 2)
+    for row in out["rows"]:
+        assert row["steps"] == 3 and len(row["samples_per_s_runs"]) == 1
+        positive(row["wall_s"], row["timed_s"], row["samples_per_s"], row["speedup"], row["efficiency"])
+        assert row["timed_s"] < row["wall_s"]
+        assert close(row["speedup"], row["samples_per_s"] / one["samples_per_s"])
+        assert close(row["efficiency"], row["speedup"] / row["processes"])
+        # timed_s covers `steps` steps of processes x batch samples each
+        assert close(row["samples_per_s"] * row["timed_s"], row["steps"] * 4 * row["processes"])
+    assert close(one["efficiency"], 1.0) and close(out["efficiency"], two["efficiency"])
+    assert out["meets_target"] == (out["efficiency"] >= out["target_efficiency"])
+
+
+@pytest.mark.multi  # DataLoader worker processes
+def test_loader():
+    out = bench("loader", "--workers", "0,1", "--files", 2, "--traj_per_file", 3, "--steps", 3, "--patches", 4,
+                "--embed_dim", 8, "--actions_per_step", 5, "--batch_size", 2, "--train_steps", 1,
+                "--warm_epochs", 1, "--rss_epochs", 1, "--threads", 1)
+    check_env(out, "loader")
+    consumer = out["consumer"]
+    assert "AC predictor" in consumer["model"] or "LM" in consumer["model"]
+    positive(consumer["step_s"], consumer["samples_per_s"])
+    assert close(consumer["samples_per_s"], consumer["batch_size"] / consumer["step_s"])
+    assert [r["workers"] for r in out["loader"]] == [0, 1]
+    for r in out["loader"]:
+        assert r["trajectories"] == 18 and r["samples_per_epoch"] == 18 and r["evicted"] in (True, False)
+        positive(r["bytes"], r["cold_samples_per_s"], r["warm_samples_per_s"], r["cold_vs_step"], r["warm_vs_step"])
+        assert close(r["cold_vs_step"], r["cold_samples_per_s"] / consumer["samples_per_s"])
+        assert close(r["warm_vs_step"], r["warm_samples_per_s"] / consumer["samples_per_s"])
+    assert out["meets_rate_target"] == (out["loader"][1]["cold_vs_step"] >= out["target_margin"])
+    assert sorted((m["workers"], m["size"]) for m in out["memory"]) == [(0, "1x"), (0, "3x"), (1, "1x"), (1, "3x")]
+    for m in out["memory"]:
+        assert m["trajectories"] == (6 if m["size"] == "1x" else 18)
+        assert len(m["worker_peak_mb"]) == m["workers"]
+        for p in [m["main_before_mb"], m["main_peak_mb"], *m["worker_peak_mb"]]:
+            positive(p["rss"], p["anon"], p["uss"])
+            assert p["anon"] <= p["rss"] and p["uss"] <= p["rss"]
+        assert m["main_peak_mb"]["rss"] >= m["main_before_mb"]["rss"]
+    assert [g["workers"] for g in out["anon_growth"]] == [0, 1]
+    assert isinstance(out["memory_flat"], bool)
+
+
+def test_checkpoint():
+    out = bench("checkpoint", "--sizes", "32x1,64x1", "--seq_len", 16, "--repeats", 1, "--loop_saves", 2,
+                "--loop_save_every", 2, "--loop_batch", 4, "--threads", 1)
+    check_env(out, "checkpoint")
+    assert [m["name"] for m in out["models"]] == ["32x1", "64x1"]
+    for m in out["models"]:
+        positive(m["params"], m["blocked_s"], m["write_s"], m["blocked_over_write"])
+        for kind in ("weights", "state"):
+            r = m[kind]
+            positive(r["bytes"], r["serialize_s"], r["write_nofsync_s"], r["write_s"], r["save_s"], r["sha256_s"],
+                     r["load_s"], r["load_noverify_s"])
+            assert r["rest_s"] >= 0
+        # the resumable state holds the weights and AdamW's two moments besides
+        assert m["state"]["bytes"] > 2 * m["weights"]["bytes"]
+        assert close(m["blocked_s"], m["weights"]["save_s"] + m["state"]["save_s"])
+        assert close(m["blocked_over_write"], m["blocked_s"] / m["write_s"])
+        loop = m["in_loop"]
+        assert loop["saves_timed"] == 2 and loop["save_every_iters"] == 2
+        positive(loop["step_s"], loop["step_with_save_s"])
+        assert close(loop["blocked_s"], loop["step_with_save_s"] - loop["step_s"])
+    assert out["models"][1]["weights"]["bytes"] > out["models"][0]["weights"]["bytes"]
+    assert out["meets_target"] == all(m["blocked_over_write"] <= out["target_blocked_over_write"]
+                                      for m in out["models"])
+
+
+def test_table_output(capsys):
+    """Without --json: markdown tables and the machine line on stdout (in this process, no start-up cost)."""
+    import benchmark
+    assert benchmark.main(["checkpoint", "--sizes", "32x1", "--seq_len", "16", "--repeats", "1",
+                           "--loop_saves", "0", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| model (params) | payload |" in out and "| 32x1 (0.02M) | weights |" in out and "torch" in out
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(out)
