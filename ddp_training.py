@@ -663,17 +663,18 @@ class DDPTrainer:
         data_errors, fatal, oom = 0, None, False
         for k, batch in enumerate(micro_batches):
             last = k == len(micro_batches) - 1
-            if isinstance(batch, BatchError) and batch.fatal:
-                fatal = fatal or f"data loading failed: {batch.text}"
-                batch, weight = self._spare(), 0.0
-            elif isinstance(batch, BatchError):
-                if batch.counted:
+            weight = 1.0
+            if isinstance(batch, BatchError):
+                if batch.fatal:
+                    fatal = fatal or f"data loading failed: {batch.text}"
+                elif batch.counted:
                     data_errors += 1
                     self.local_errors.append(f"data error: {batch.text}")
                 batch, weight = self._spare(), 0.0
-            else:
-                self.spare_batch = batch if self.spare_batch is None else self.spare_batch
-                weight = 0.0 if fatal else 1.0
+            elif self.spare_batch is None:
+                self.spare_batch = batch
+            if fatal or oom:  # this step is lost: keep the collectives, skip the work
+                batch, weight = self._tiny_spare(), 0.0
             try:
                 s, c, ex = self._forward_backward(batch, last, weight)
             except Exception as exc:
@@ -688,8 +689,7 @@ class DDPTrainer:
                     self.log.error("step %d raised on this rank: %s", self.global_step + 1, traceback.format_exc())
                 if self.env.device.type == "cuda":
                     torch.cuda.empty_cache()
-                # One sample, weight zero: completes this rank's collectives without needing memory.
-                s, c, ex = self._forward_backward(rt.split_batch(self._spare(), 0, self.cfg.batch_size), last, 0.0)
+                s, c, ex = self._forward_backward(self._tiny_spare(), last, 0.0)
             finite = torch.isfinite(s)
             nonfinite = torch.maximum(nonfinite, (~finite).double())
             loss_sum += torch.where(finite, s.double(), 0.0)
@@ -744,6 +744,11 @@ class DDPTrainer:
         self.scheduler.step()
         result.update(skipped=False, nonfinite=False, grad_norm=float(norm))
         return result
+
+    def _tiny_spare(self):
+        """One sample of the spare batch: enough to complete this rank's collectives with
+        weight zero, small enough to fit after an out-of-memory error."""
+        return rt.split_batch(self._spare(), 0, self.cfg.batch_size)
 
     def _split_micro_batches(self, micro: list, ways: int) -> list:
         if ways == 1:

@@ -96,9 +96,9 @@ def test_nan_on_one_rank_skips_the_same_step_everywhere(tmp_path):
 def test_exception_on_one_rank_stops_every_rank_with_its_message(tmp_path):
     r0, r1 = spawn(_run, 2, str(tmp_path), 1, 4, "raise", timeout=60)
     for r in (r0, r1):
-        assert r["error"].startswith("StepFailed: step 4 failed on rank 1: ValueError: injected failure in forward")
+        assert r["error"].startswith("StepFailed: step 4 failed on rank 1: ValueError in forward: injected failure")
         assert r["seconds"] < 30
-    assert "rank 1: ValueError: injected failure in forward" in (tmp_path / "logs" / "rank_0.log").read_text()
+    assert "rank 1: ValueError in forward: injected failure in forward" in (tmp_path / "logs" / "rank_0.log").read_text()
     assert not (tmp_path / "ckpt" / "model_final.pt").exists()
 
 
