@@ -440,6 +440,14 @@ def split_batch(batch, part: int, parts: int):
     raise TypeError(f"cannot split a batch of type {type(batch).__name__}")
 
 
+def batch_len(batch) -> int:
+    """Samples in a batch (the first tensor's leading dimension)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    first = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
+    return batch_len(first)
+
+
 class _DispatchSampler:
     """What the trainer asks of a train loader's sampler, forwarded to rank 0's reader; positions
     count this rank's samples, rank 0's reader counts global ones."""

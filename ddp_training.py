@@ -758,8 +758,7 @@ class DDPTrainer:
             if isinstance(b, BatchError):
                 out.extend([b] + [BatchError(b.text, b.fatal, counted=False)] * (ways - 1))
                 continue
-            n = len(b[0] if isinstance(b, (list, tuple)) else next(iter(b.values())) if isinstance(b, dict) else b)
-            if n < ways:
+            if rt.batch_len(b) < ways:
                 raise StepFailed(f"step {self.global_step + 1}: out of memory even with micro-batches of one sample")
             out.extend(rt.split_batch(b, k, ways) for k in range(ways))
         return out
