@@ -83,6 +83,8 @@ class TrainConfig:
     first_step_timeout: float = 900.0   # the first step also waits for compilation and data warm-up
     find_unused_parameters: bool = False
     bucket_cap_mb: float = 25.0
+    static_graph: bool = False          # DDP static_graph: for models whose graph never changes
+    compile: bool = False               # torch.compile the model (before the DDP wrap)
     # evaluation and stopping
     val_interval: int = 0               # steps between validations; 0 = end of every epoch
     patience: int = 0                   # validations without improvement before stopping; 0 = off
@@ -200,6 +202,13 @@ class CausalLM(nn.Module):
             nn.init.normal_(m.weight, std=0.02)
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token (forward + backward): 6 per parameter plus attention,
+        as in the PaLM appendix; the tied embedding counts once."""
+        c = self.config
+        n = sum(p.numel() for p in self.parameters()) - self.pos.weight.numel()
+        return 6 * n + 12 * c["num_layers"] * c["hidden_size"] * c["seq_len"]
 
     def forward(self, idx):
         pos = torch.arange(idx.shape[1], device=idx.device)
@@ -537,12 +546,13 @@ class DDPTrainer:
         self.log.info("model: %s, %s parameters", describe or type(model).__name__, f"{n_params:,}")
         if self.data_info:
             self.log.info("data: %s", self.data_info)
+        trained = torch.compile(model) if cfg.compile else model  # shares the parameters of `model`
         if env.is_distributed:
-            self.model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
-                             find_unused_parameters=cfg.find_unused_parameters,
+            self.model = DDP(trained, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
+                             find_unused_parameters=cfg.find_unused_parameters, static_graph=cfg.static_graph,
                              gradient_as_bucket_view=True, bucket_cap_mb=cfg.bucket_cap_mb)
         else:
-            self.model = model
+            self.model = trained
 
         pin = cfg.pin_memory and env.device.type == "cuda"
         loader = lambda ds, train: rt.build_dataloader(  # noqa: E731
@@ -1151,7 +1161,9 @@ class DDPTrainer:
         cfg = self.cfg
         self.skipped_steps += r["skipped"]
         self.consecutive_bad_steps = self.consecutive_bad_steps + 1 if r["nonfinite"] else 0
+        mfu = self._mfu(r["count"] / step_time)
         record = {"type": "train", "step": self.global_step, "epoch": self.epoch, "loss": r["loss"],
+                  **({"mfu": mfu} if mfu is not None else {}),
                   **r["extras"], "lr": self.scheduler.get_last_lr()[0], "grad_norm": r["grad_norm"],
                   "samples_per_s": global_batch / step_time, f"{self.count_unit}_per_s": r["count"] / step_time,
                   "skipped": r["skipped"], "time": time.time() - self.t0}
@@ -1194,6 +1206,19 @@ class DDPTrainer:
         tmp = self.metrics_path.with_suffix(".tmp")
         tmp.write_text("".join(k + "\n" for k in kept))
         os.replace(tmp, self.metrics_path)
+
+    # Dense bf16 peak FLOP/s per GPU, for the model FLOPs utilisation (MFU) metric.
+    PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+
+    def _mfu(self, tokens_per_s: float) -> Optional[float]:
+        """Model FLOPs utilisation of this rank's GPU, for models that can count their FLOPs."""
+        if self.env.device.type != "cuda" or not hasattr(self.raw_model, "flops_per_token"):
+            return None
+        name = torch.cuda.get_device_name(self.env.device)
+        peak = next((v for k, v in self.PEAK_BF16_FLOPS.items() if k in name), None)
+        if peak is None:
+            return None
+        return self.raw_model.flops_per_token() * tokens_per_s / self.env.world_size / peak
 
     def _write_preempted_marker(self) -> None:
         marker = Path(self.cfg.log_dir) / "PREEMPTED"

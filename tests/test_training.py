@@ -103,6 +103,17 @@ def test_target_loss_and_patience_stop_early(tmp_path, no_launch_env):
     assert s["status"] == "early_stopped" and s["steps"] == 15  # validations at 5, 10, 15: none improves by 0.1
 
 
+def test_flops_per_token_matches_a_measured_count():
+    from torch.utils.flop_counter import FlopCounterMode
+    m = CausalLM(vocab_size=256, hidden_size=128, num_layers=4, num_heads=4, seq_len=64)
+    x = torch.randint(0, 256, (2, 64))
+    with FlopCounterMode(display=False) as counter:
+        m(x).sum().backward()
+    measured = counter.get_total_flops() / x.numel()
+    # The estimate counts the embedding lookup as a matmul (the tied head is one): within 15%.
+    assert abs(m.flops_per_token() - measured) < 0.15 * measured, (m.flops_per_token(), measured)
+
+
 def test_gradient_accumulation_and_sample_normalisation_train(tmp_path, no_launch_env):
     s = DDPTrainer(config={**QUICK, **dirs(tmp_path), "batch_size": 8, "grad_accum_steps": 2,
                            "loss_normalization": "sample"}).train()
