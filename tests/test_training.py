@@ -103,6 +103,15 @@ def test_target_loss_and_patience_stop_early(tmp_path, no_launch_env):
     assert s["status"] == "early_stopped" and s["steps"] == 15  # validations at 5, 10, 15: none improves by 0.1
 
 
+def test_compiled_model_trains_like_the_eager_one(tmp_path, no_launch_env):
+    cfg = {**QUICK, "max_steps": 8, "val_interval": 0, "resume": "none"}
+    eager = DDPTrainer(config={**cfg, **dirs(tmp_path / "eager")}).train()
+    compiled = DDPTrainer(config={**cfg, **dirs(tmp_path / "compiled"), "compile": True}).train()  # ~30 s
+    assert abs(compiled["final_val_loss"] - eager["final_val_loss"]) < 1e-3
+    weights = torch.load(tmp_path / "compiled" / "ckpt" / "model_final.pt", weights_only=True)["model"]
+    assert not any("_orig_mod" in k for k in weights)  # saved without torch.compile's wrapper prefix
+
+
 def test_flops_per_token_matches_a_measured_count():
     from torch.utils.flop_counter import FlopCounterMode
     m = CausalLM(vocab_size=256, hidden_size=128, num_layers=4, num_heads=4, seq_len=64)
