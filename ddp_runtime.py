@@ -583,11 +583,27 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: Path, write) -> None:
+class _HashingWriter:
+    """A file that hashes what goes through it, so the digest needs no second read."""
+
+    def __init__(self, f):
+        self.f, self.sha = f, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _atomic_write(path: Path, write) -> str:
+    """Temp file in the same directory, fsync, rename; returns the SHA-256 of what was written."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
-            write(f)
+            out = _HashingWriter(f)
+            write(out)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -595,6 +611,7 @@ def _atomic_write(path: Path, write) -> None:
         if tmp.exists():
             tmp.unlink()
     _fsync_dir(path.parent)
+    return out.sha.hexdigest()
 
 
 def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
@@ -602,10 +619,8 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
     then a `.sha256` sidecar. The previous file at `path` survives any failure."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, lambda f: torch.save(obj, f))
-    digest = sha256_file(path)
-    _atomic_write(path.with_name(path.name + ".sha256"),
-                  lambda f: f.write(f"{digest}  {path.name}\n".encode()))
+    digest = _atomic_write(path, lambda f: torch.save(obj, f))
+    _atomic_write(path.with_name(path.name + ".sha256"), lambda f: f.write(f"{digest}  {path.name}\n".encode()))
     return path
 
 

@@ -80,7 +80,7 @@ class TrainConfig:
     device: str = "auto"                # auto | cuda | cpu
     dist_backend: Optional[str] = None  # nccl | gloo ; None = nccl with CUDA, else gloo
     dist_timeout: float = rt.DEFAULT_DIST_TIMEOUT_S   # seconds a collective may wait after the first step
-    first_step_timeout: float = 900.0   # the first step also waits for compilation and data warm-up
+    first_step_timeout: float = 0.0     # > dist_timeout: a longer wait for the first step (compilation, warm-up)
     find_unused_parameters: bool = False
     bucket_cap_mb: float = 25.0
     static_graph: bool = False          # DDP static_graph: for models whose graph never changes
@@ -97,7 +97,7 @@ class TrainConfig:
     log_interval: int = 10
     debug: bool = False
     memory_check_interval: int = 50
-    cleanup_interval: int = 100
+    cleanup_interval: int = 1000        # a full gc.collect costs ~0.2 s once torch is imported
     max_memory_gb: float = 16.0
     # checkpoints
     checkpoint_dir: Optional[str] = None  # None = <log_dir>/checkpoints
@@ -1092,7 +1092,7 @@ class DDPTrainer:
                     raise
                 except Exception as exc:  # a peer died or hung: say which and where, then fail
                     raise self._explain_failure(exc) from exc
-                if self.global_step == 0:
+                if self.global_step == 0 and cfg.first_step_timeout > cfg.dist_timeout:
                     rt.set_collective_timeout(cfg.dist_timeout)
                 self.global_step += 1
                 self.step_in_epoch = i + 1

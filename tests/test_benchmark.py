@@ -45,6 +45,9 @@ def check_env(out, command):
     env = out["env"]
     assert env["cores"] >= 1 and env["torch"] and env["cpu"]
     assert len(env["loadavg_start"]) == 3 and len(env["loadavg_end"]) == 3
+    positive(env["wall_s"])
+    for key in ("other_cpu_cores", "steal_cpu_cores"):  # None off Linux
+        assert env[key] is None or (math.isfinite(env[key]) and env[key] >= 0)
     assert out["timed"]
 
 
@@ -70,17 +73,18 @@ def test_scaling():
     out = bench("scaling", *TINY_LM, "--nproc", 2, "--steps", 3, "--warmup", 2, "--repeats", 1, timeout=150)
     check_env(out, "scaling")
     assert out["config"]["threads_per_process"] == 1 and out["config"]["batch_size_per_process"] == 4
-    one, two = out["rows"]
-    assert (one["processes"], two["processes"]) == (1, 2)
-    for row in out["rows"]:
-        assert row["steps"] == 3 and len(row["samples_per_s_runs"]) == 1
-        positive(row["wall_s"], row["timed_s"], row["samples_per_s"], row["speedup"], row["efficiency"])
-        assert row["timed_s"] < row["wall_s"]
-        assert close(row["speedup"], row["samples_per_s"] / one["samples_per_s"])
-        assert close(row["efficiency"], row["speedup"] / row["processes"])
-        # timed_s covers `steps` steps of processes x batch samples each
-        assert close(row["samples_per_s"] * row["timed_s"], row["steps"] * 4 * row["processes"])
-    assert close(one["efficiency"], 1.0) and close(out["efficiency"], two["efficiency"])
+    for rows, eff in ((out["rows"], out["efficiency"]), (out["bare_rows"], out["bare_efficiency"])):
+        one, two = rows
+        assert (one["processes"], two["processes"]) == (1, 2)
+        for row in rows:
+            assert row["steps"] == 3 and len(row["samples_per_s_runs"]) == len(row["exit_codes"]) == 1
+            positive(row["wall_s"], row["timed_s"], row["samples_per_s"], row["speedup"], row["efficiency"])
+            assert row["timed_s"] < row["wall_s"]
+            assert close(row["speedup"], row["samples_per_s"] / one["samples_per_s"])
+            assert close(row["efficiency"], row["speedup"] / row["processes"])
+            # timed_s covers `steps` steps of processes x batch samples each
+            assert close(row["samples_per_s"] * row["timed_s"], row["steps"] * 4 * row["processes"])
+        assert close(one["efficiency"], 1.0) and close(eff, two["efficiency"])
     assert out["meets_target"] == (out["efficiency"] >= out["target_efficiency"])
 
 
@@ -130,9 +134,10 @@ def test_checkpoint():
         assert close(m["blocked_s"], m["weights"]["save_s"] + m["state"]["save_s"])
         assert close(m["blocked_over_write"], m["blocked_s"] / m["write_s"])
         loop = m["in_loop"]
-        assert loop["saves_timed"] == 2 and loop["save_every_iters"] == 2
-        positive(loop["step_s"], loop["step_with_save_s"])
-        assert close(loop["blocked_s"], loop["step_with_save_s"] - loop["step_s"])
+        assert loop["saves"] == len(loop["blocked_runs"]) == 2 and loop["save_every_iters"] == 2
+        assert loop["steps"] == 5
+        positive(loop["blocked_s"], *loop["blocked_runs"], loop["step_s"], loop["step_with_save_s"])
+        assert close(loop["period_blocked_s"], loop["step_with_save_s"] - loop["step_s"])
     assert out["models"][1]["weights"]["bytes"] > out["models"][0]["weights"]["bytes"]
     assert out["meets_target"] == all(m["blocked_over_write"] <= out["target_blocked_over_write"]
                                       for m in out["models"])

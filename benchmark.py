@@ -1,0 +1,962 @@
+"""
+Throughput, scaling and overhead figures for the kit, on whatever machine runs it.
+
+    python benchmark.py overhead   [--steps 200 --repeats 5 --threads 2]   # DDPTrainer vs a bare PyTorch loop
+    python benchmark.py scaling    [--nproc 2 --threads 1]                 # 1 vs N gloo processes, weak scaling
+    python benchmark.py loader     [--workers 0,1,2]                       # VJ2 loader vs a step; peak memory
+    python benchmark.py checkpoint [--sizes 128x2,512x8]                   # save/load time, size, blocking
+
+Each prints a markdown table; with --json it prints one JSON object on stdout instead (progress goes to
+stderr either way). What exactly is timed is written next to each figure, in the table and in the JSON.
+All training here runs on the CPU.
+"""
+
+import argparse
+import contextlib
+import gc
+import io
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+import torch.nn.functional as F
+
+import config
+import ddp_runtime as rt
+from ddp_training import CausalLM, DDPTrainer, TrainConfig, build_optimizer, lr_factor, synthetic_lm_data
+
+REPO = Path(__file__).resolve().parent
+DEFAULTS = TrainConfig()  # the trainer's defaults, read here so they are written only once
+# variables that would make a child process think it is part of someone else's distributed job
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST")
+
+# targets from the issue
+TARGET_OVERHEAD_RATIO = 0.97
+TARGET_SCALING_EFFICIENCY = 0.95
+TARGET_LOADER_MARGIN = 5.0
+# "a save blocks no longer than the write itself": the write being serialise + write + fsync of the file; the
+# 10% allows for timing noise
+TARGET_BLOCKED_OVER_WRITE = 1.1
+
+# -----------------------------------------------------------------------------------------------------------------
+# helpers
+
+
+def say(*args):
+    """Progress, on stderr, so that stdout holds only the table or the JSON object."""
+    print("[benchmark]", *args, file=sys.stderr, flush=True)
+
+
+def set_threads(n):
+    # DDPTrainer shares the cores among ranks with torch.set_num_threads unless OMP_NUM_THREADS is set;
+    # setting it pins the count we asked for, in this process and in every child.
+    os.environ["OMP_NUM_THREADS"] = str(n)
+    torch.set_num_threads(n)
+
+
+def cpu_model():
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or "unknown"
+
+
+def cpu_stat():
+    """(busy, steal) CPU seconds of the whole machine since boot from /proc/stat, or None off Linux. Busy is
+    user + nice + system + irq + softirq; steal is time the hypervisor gave our virtual CPUs to someone else."""
+    try:
+        f = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError, IndexError):
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    return (f[0] + f[1] + f[2] + f[5] + f[6]) / tick, f[7] / tick
+
+
+def own_cpu_s():
+    """CPU seconds of this process and of every child it has waited for (their children included)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+_START = {}
+
+
+def environment():
+    _START.update(wall=time.perf_counter(), stat=cpu_stat(), own=own_cpu_s())
+    return {"cpu": cpu_model(), "cores": rt.cpu_count(), "torch": torch.__version__, "numpy": np.__version__,
+            "python": sys.version.split()[0], "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
+
+
+def finish(out, args, table):
+    env = out["env"]
+    env["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    # the load average lags by a minute and counts this benchmark too; this is what everyone else used
+    wall = time.perf_counter() - _START["wall"]
+    stat = cpu_stat()
+    env["wall_s"] = wall
+    env["other_cpu_cores"] = env["steal_cpu_cores"] = None
+    if stat and _START["stat"]:
+        busy, steal = (a - b for a, b in zip(stat, _START["stat"]))
+        env["other_cpu_cores"] = max(0.0, busy - (own_cpu_s() - _START["own"])) / wall
+        env["steal_cpu_cores"] = steal / wall
+    if args.json:
+        print(json.dumps(out, allow_nan=False))
+    else:
+        print(table)
+        other = "" if env["other_cpu_cores"] is None else \
+            (f"; other processes used {env['other_cpu_cores']:.2f} cores on average meanwhile, the hypervisor "
+             f"took {env['steal_cpu_cores']:.2f}")
+        print(f"\n{env['cpu']}, {env['cores']} cores, torch {env['torch']}, load average "
+              f"{env['loadavg_start'][0]:.2f} at start{other}")
+
+
+def markdown(headers, rows):
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def median(xs):
+    return statistics.median(xs)
+
+
+def steady_rate(times, warmup):
+    """Steps/s between the end of step `warmup` and the end of the last step; times[k] = end of step k+1."""
+    steps = len(times) - warmup
+    if warmup < 1 or steps < 1:
+        raise ValueError(f"need >= 1 warm-up step and >= 1 timed step, got {warmup} of {len(times)} steps")
+    return steps / (times[-1] - times[warmup - 1])
+
+
+def metrics_times(log_dir):
+    """End time of each training step (seconds since the loop started) from the trainer's metrics.jsonl."""
+    recs = [json.loads(line) for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines()]
+    train = sorted((r for r in recs if r.get("type") == "train"), key=lambda r: r["step"])
+    return [r["time"] for r in train], train
+
+
+def child_env(threads):
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def run_child(cmd, threads, timeout, log_path, ok=None):
+    """Run a command to completion with its output in log_path; raise with the tail of it on failure, unless
+    ok() says the run did its work anyway. Returns the exit status."""
+    with open(log_path, "w") as log:
+        proc = subprocess.run([str(c) for c in cmd], cwd=REPO, env=child_env(threads), stdout=log,
+                              stderr=subprocess.STDOUT, timeout=timeout)
+    if proc.returncode != 0 and not (ok and ok()):
+        tail = Path(log_path).read_text()[-3000:]
+        raise RuntimeError(f"exit {proc.returncode}: {' '.join(map(str, cmd))}\n{tail}")
+    return proc.returncode
+
+
+def last_line(path, containing):
+    lines = [line for line in Path(path).read_text(errors="replace").splitlines() if containing in line]
+    return lines[-1].strip() if lines else None
+
+
+def completed(log_dir, steps):
+    """True when the trainer's metrics.jsonl ends with a completed summary after `steps` steps."""
+    try:
+        last = json.loads((Path(log_dir) / "metrics.jsonl").read_text().splitlines()[-1])
+    except (OSError, IndexError, json.JSONDecodeError):
+        return False
+    return last.get("type") == "summary" and last.get("status") == "completed" and last.get("steps") == steps
+
+
+@contextlib.contextmanager
+def workdir(parent):
+    path = Path(tempfile.mkdtemp(prefix="benchmark_", dir=parent))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def lm_config(args):
+    return dict(vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
+                num_heads=args.num_heads, seq_len=args.seq_len)
+
+
+def add_model_flags(p, batch_size=DEFAULTS.batch_size):
+    p.add_argument("--hidden_size", type=int, default=DEFAULTS.hidden_size)
+    p.add_argument("--num_layers", type=int, default=DEFAULTS.num_layers)
+    p.add_argument("--num_heads", type=int, default=DEFAULTS.num_heads)
+    p.add_argument("--seq_len", type=int, default=DEFAULTS.seq_len)
+    p.add_argument("--vocab_size", type=int, default=DEFAULTS.vocab_size)
+    p.add_argument("--batch_size", type=int, default=batch_size, help="per process")
+
+# -----------------------------------------------------------------------------------------------------------------
+# overhead: DDPTrainer vs a bare loop, same model, batches, optimizer and threads
+
+
+def bare_loop(model, raw_model, loader, total, cfg):
+    """A plain training loop over `loader`: forward, mean cross-entropy, backward, the trainer's clipping,
+    AdamW and LR schedule. `model` may be a DDP wrapper of `raw_model`. Returns end-of-step times and the
+    last loss."""
+    opt = build_optimizer(raw_model, cfg.learning_rate, cfg.weight_decay, torch.device("cpu"))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(
+        s, total, cfg.warmup_steps, cfg.lr_schedule, cfg.min_lr_ratio))
+    model.train()
+    times, loss = [], None
+    for step, (x, y) in enumerate(loader):
+        if step == total:
+            break
+        logits = model(x)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss.backward()
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        times.append(time.perf_counter())
+    if len(times) != total:
+        raise RuntimeError(f"the loader gave {len(times)} batches, {total} needed")
+    return times, loss.item()
+
+
+def build_lm(cfg):
+    torch.manual_seed(cfg.seed)  # the trainer seeds the same way before it builds the model
+    return CausalLM(cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.seq_len, cfg.dropout)
+
+
+def bare_run(cfg, data):
+    """The bare loop in this process over the same DataLoader batches the trainer sees."""
+    cfg = TrainConfig.from_dict(cfg)
+    model = build_lm(cfg)
+    loader = rt.build_dataloader(data.train, cfg.batch_size, train=True, rank=0, world_size=1, seed=cfg.seed)
+    return bare_loop(model, model, loader, cfg.max_steps, cfg)
+
+
+def trainer_run(args, cfg, run_dir):
+    """DDPTrainer, one process, every check at its default; end-of-step times from its metrics.jsonl."""
+    cfg = dict(cfg, log_dir=str(run_dir / "logs"), checkpoint_dir=str(run_dir / "ckpt"))
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):  # its console log; rank_0.log keeps it
+        summary = DDPTrainer(rank=0, world_size=1, config=cfg).train()
+    times, train = metrics_times(cfg["log_dir"])
+    if summary["steps"] != cfg["max_steps"] or len(times) != cfg["max_steps"]:
+        raise RuntimeError(f"trainer ran {summary['steps']} steps, expected {cfg['max_steps']}")
+    return times, train[-1]["loss"]
+
+
+def parse_settings(items):
+    """KEY=VALUE strings -> dict; values are read as JSON where they parse (numbers, true, null), else strings."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"error: --trainer_set expects KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def gc_collect_s(repeats=3):
+    """What one gc.collect() costs in this process (the trainer's cleanup runs it every cleanup_interval steps)."""
+    return timed(gc.collect, repeats)
+
+
+def cmd_overhead(args):
+    set_threads(args.threads)
+    total = args.warmup + args.steps
+    # one epoch holds every timed step, so the per-epoch validation runs only after the last one
+    dataset_size = max(DEFAULTS.dataset_size, (total + 1) * args.batch_size)
+    cfg = dict(lm_config(args), batch_size=args.batch_size, dataset_size=dataset_size, max_steps=total,
+               device="cpu", seed=args.seed, save_interval=0, save_every_iters=0, val_interval=0, resume="none")
+    data = synthetic_lm_data(TrainConfig.from_dict(cfg))
+    changed = parse_settings(args.trainer_set)
+    base_cfg, cfg = cfg, dict(cfg, **changed)
+    TrainConfig.from_dict(cfg)  # an unknown key fails here, before any run
+    out = {"command": "overhead", "env": environment(),
+           "config": dict(dict(learning_rate=DEFAULTS.learning_rate, weight_decay=DEFAULTS.weight_decay,
+                               grad_clip=DEFAULTS.grad_clip, memory_check_interval=DEFAULTS.memory_check_interval,
+                               cleanup_interval=DEFAULTS.cleanup_interval, log_interval=DEFAULTS.log_interval),
+                          **cfg, threads=args.threads, warmup=args.warmup, steps=args.steps, repeats=args.repeats,
+                          trainer_changed=changed),
+           "timed": (f"steps {args.warmup + 1}..{total} of each run: from the end of step {args.warmup} to the end of "
+                     f"step {total}, so data loading and everything the loop does per step is included; set-up, "
+                     f"warm-up, the final validation and checkpoint are not. Trainer step ends come from the "
+                     f"'time' field of its metrics.jsonl records")}
+    bare, trainer, bare_loss, trainer_loss = [], [], None, None
+    with workdir(args.dir) as tmp:
+        for rep in range(args.repeats):
+            t, bare_loss = bare_run(base_cfg, data)
+            bare.append(steady_rate(t, args.warmup))
+            gc.collect()
+            t, trainer_loss = trainer_run(args, cfg, tmp / f"run{rep}")
+            trainer.append(steady_rate(t, args.warmup))
+            gc.collect()
+            say(f"overhead repeat {rep + 1}/{args.repeats}: bare {bare[-1]:.2f} steps/s, "
+                f"trainer {trainer[-1]:.2f} steps/s")
+    bare_med, trainer_med = median(bare), median(trainer)
+    ratio = trainer_med / bare_med
+    gc_s, cleanup = gc_collect_s(), cfg.get("cleanup_interval", DEFAULTS.cleanup_interval)
+    out.update(bare_steps_per_s=bare_med, trainer_steps_per_s=trainer_med, ratio=ratio,
+               trainer_extra_ms_per_step=1000 / trainer_med - 1000 / bare_med,
+               gc_collect_ms=1000 * gc_s, gc_ms_per_step=1000 * gc_s / cleanup if cleanup else 0.0,
+               gc_in_window=total // cleanup - args.warmup // cleanup if cleanup else 0,
+               bare_runs=bare, trainer_runs=trainer, pair_ratios=[t / b for b, t in zip(bare, trainer)],
+               samples_per_step=args.batch_size, bare_final_loss=bare_loss, trainer_final_loss=trainer_loss,
+               target_ratio=TARGET_OVERHEAD_RATIO, meets_target=ratio >= TARGET_OVERHEAD_RATIO)
+    pr = out["pair_ratios"]
+    table = markdown(["loop", "steps/s (median)", "runs", "ms/step", f"loss at step {total}"], [
+        ["bare PyTorch", f"{bare_med:.2f}", " ".join(f"{x:.2f}" for x in bare), f"{1000 / bare_med:.1f}",
+         f"{bare_loss:.4f}"],
+        ["DDPTrainer", f"{trainer_med:.2f}", " ".join(f"{x:.2f}" for x in trainer), f"{1000 / trainer_med:.1f}",
+         f"{trainer_loss:.4f}"]])
+    table += (f"\n\nratio trainer / bare = {ratio:.3f} (target >= {TARGET_OVERHEAD_RATIO}: "
+              f"{'met' if out['meets_target'] else 'missed'}); per interleaved pair {min(pr):.3f}..{max(pr):.3f}\n"
+              f"the trainer adds {out['trainer_extra_ms_per_step']:.2f} ms per step; "
+              + (f"gc.collect() every cleanup_interval={cleanup} steps costs {out['gc_collect_ms']:.0f} ms here "
+                 f"= {out['gc_ms_per_step']:.2f} ms per step amortised (the timed steps hold "
+                 f"{out['gc_in_window']} of them)\n" if cleanup else
+                 f"gc.collect() is off (cleanup_interval=0); one would cost {out['gc_collect_ms']:.0f} ms here\n")
+              + (f"trainer config changed from the defaults: {changed}\n" if changed else "")
+              + f"timed: {out['timed']}")
+    finish(out, args, table)
+
+# -----------------------------------------------------------------------------------------------------------------
+# scaling: 1 vs N gloo processes, threads and batch per process fixed
+
+
+def scaling_run(args, nproc, run_dir, dataset_size):
+    total = args.warmup + args.steps
+    flags = dict(lm_config(args), batch_size=args.batch_size, dataset_size=dataset_size, max_steps=total,
+                 seed=args.seed, save_interval=0, save_every_iters=0, val_interval=0, resume="none",
+                 log_dir=run_dir / "logs", checkpoint_dir=run_dir / "ckpt")
+    run_dir.mkdir(parents=True)
+    cmd = [sys.executable, REPO / "ddp_training.py", "--cpu", "--nproc", nproc]
+    for key, value in flags.items():
+        cmd += [f"--{key}", value]
+    start = time.perf_counter()
+    # A run that trained, validated and wrote its summary but then failed on the way out still timed its steps;
+    # its exit status is kept in the figures (see BENCHMARKS.md: an abort at interpreter exit)
+    rc = run_child(cmd, args.threads, args.timeout, run_dir / "output.log",
+                   ok=lambda: completed(run_dir / "logs", total))
+    wall = time.perf_counter() - start
+    if rc:
+        say(f"{nproc} process(es): exit status {rc} after a completed run: "
+            f"{last_line(run_dir / 'output.log', 'terminate') or 'see its output'}")
+    times, _ = metrics_times(run_dir / "logs")
+    if len(times) != total:
+        raise RuntimeError(f"{nproc} processes ran {len(times)} steps, expected {total}")
+    steps_per_s = steady_rate(times, args.warmup)
+    return {"wall_s": wall, "timed_s": args.steps / steps_per_s, "samples_per_s": steps_per_s * args.batch_size * nproc,
+            "exit_code": rc}
+
+
+def bare_ddp_worker(rank, world_size, spec):
+    """One rank of the bare loop under DDP (gloo), sharded like the trainer; rank 0 writes its step times."""
+    torch.set_num_threads(spec["threads"])
+    cfg = TrainConfig.from_dict(spec["cfg"])
+    if world_size > 1:
+        import datetime
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size,
+                                             timeout=datetime.timedelta(seconds=300))
+    try:
+        data = synthetic_lm_data(cfg)
+        raw = build_lm(cfg)
+        model = raw if world_size == 1 else torch.nn.parallel.DistributedDataParallel(
+            raw, gradient_as_bucket_view=True, bucket_cap_mb=cfg.bucket_cap_mb)
+        loader = rt.build_dataloader(data.train, cfg.batch_size, train=True, rank=rank, world_size=world_size,
+                                     seed=cfg.seed)
+        times, _ = bare_loop(model, raw, loader, cfg.max_steps, cfg)
+        if rank == 0:
+            Path(spec["out"]).write_text(json.dumps(times))
+    finally:
+        rt.teardown_distributed()
+
+
+def bare_scaling_run(args, nproc, run_dir, cfg):
+    """`nproc` ranks of the bare loop, spawned from this process with torch.multiprocessing on a free port (what
+    --nproc does for the trainer); one process runs without a process group, like the trainer's."""
+    import benchmark  # the ranks import this module by name, also when it runs as __main__
+    from ddp_training import free_port
+    run_dir.mkdir(parents=True)
+    spec = {"threads": args.threads, "cfg": cfg, "out": str(run_dir / "times.json")}
+    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS=str(args.threads))
+    start = time.perf_counter()
+    try:
+        torch.multiprocessing.start_processes(benchmark.bare_ddp_worker, args=(nproc, spec), nprocs=nproc, join=True,
+                                              start_method="spawn")
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    wall = time.perf_counter() - start
+    steps_per_s = steady_rate(json.loads(Path(spec["out"]).read_text()), args.warmup)
+    return {"wall_s": wall, "timed_s": args.steps / steps_per_s, "samples_per_s": steps_per_s * args.batch_size * nproc}
+
+
+def scaling_rows(runs, steps):
+    rows = []
+    base = median(r["samples_per_s"] for r in runs[1])
+    for n, rs in runs.items():
+        sps = median(r["samples_per_s"] for r in rs)
+        rows.append({"processes": n, "steps": steps, "wall_s": median(r["wall_s"] for r in rs),
+                     "timed_s": median(r["timed_s"] for r in rs), "samples_per_s": sps,
+                     "speedup": sps / base, "efficiency": sps / (n * base),
+                     "samples_per_s_runs": [r["samples_per_s"] for r in rs],
+                     "exit_codes": [r.get("exit_code", 0) for r in rs]})
+    return rows
+
+
+def scaling_cells(r):
+    return [r["processes"], r["steps"], f"{r['wall_s']:.1f}", f"{r['timed_s']:.2f}", f"{r['samples_per_s']:.1f}",
+            f"{r['speedup']:.2f}", f"{r['efficiency']:.3f}"]
+
+
+def cmd_scaling(args):
+    total = args.warmup + args.steps
+    dataset_size = max(DEFAULTS.dataset_size, (total + 1) * args.batch_size * args.nproc)
+    out = {"command": "scaling", "env": environment(),
+           "config": dict(lm_config(args), batch_size_per_process=args.batch_size, threads_per_process=args.threads,
+                          nproc=args.nproc, warmup=args.warmup, steps=args.steps, repeats=args.repeats,
+                          dataset_size=dataset_size, backend="gloo",
+                          launcher="python ddp_training.py --cpu --nproc N (torch.multiprocessing spawn, free port)"),
+           "timed": (f"steps {args.warmup + 1}..{total}: from the end of step {args.warmup} to the end of step {total} "
+                     f"on rank 0 (the trainer's metrics.jsonl 'time' field; the bare loop's own clock); wall time: "
+                     f"the trainer's whole command (start-up, data, training, final validation and checkpoint), the "
+                     f"bare loop's spawned processes (start-up, data, training)")}
+    bare_cfg = dict(lm_config(args), batch_size=args.batch_size, dataset_size=dataset_size, max_steps=total,
+                    seed=args.seed, device="cpu")
+    runs = {1: [], args.nproc: []}
+    bare = {1: [], args.nproc: []}
+    with workdir(args.dir) as tmp:
+        for rep in range(args.repeats):
+            for n in (1, args.nproc):  # interleaved: 1, N, 1, N, ...
+                r = scaling_run(args, n, tmp / f"n{n}_rep{rep}", dataset_size)
+                runs[n].append(r)
+                say(f"scaling repeat {rep + 1}/{args.repeats}: DDPTrainer, {n} process(es) "
+                    f"{r['samples_per_s']:.1f} samples/s (wall {r['wall_s']:.1f}s)")
+                if args.bare:
+                    r = bare_scaling_run(args, n, tmp / f"bare_n{n}_rep{rep}", bare_cfg)
+                    bare[n].append(r)
+                    say(f"scaling repeat {rep + 1}/{args.repeats}: bare DDP loop, {n} process(es) "
+                        f"{r['samples_per_s']:.1f} samples/s")
+    rows = scaling_rows(runs, args.steps)
+    eff = rows[-1]["efficiency"]
+    out.update(rows=rows, efficiency=eff, target_efficiency=TARGET_SCALING_EFFICIENCY,
+               meets_target=eff >= TARGET_SCALING_EFFICIENCY)
+    if args.bare:
+        out["bare_rows"] = scaling_rows(bare, args.steps)
+        out["bare_efficiency"] = out["bare_rows"][-1]["efficiency"]
+    table_rows = [["DDPTrainer", *scaling_cells(r)] for r in rows]
+    table_rows += [["bare DDP loop", *scaling_cells(r)] for r in out.get("bare_rows", [])]
+    table = markdown(["loop", "processes", "steps", "wall time (s)", "timed (s)", "samples/s", "speedup",
+                      "efficiency"], table_rows)
+    table += (f"\n\nefficiency = samples/s({args.nproc}) / ({args.nproc} x samples/s(1)) = {eff:.3f} "
+              f"(target >= {TARGET_SCALING_EFFICIENCY}: {'met' if out['meets_target'] else 'missed'}); "
+              f"median of {args.repeats} interleaved repeats"
+              + (f"; a bare DDP loop (same model, batches, clipping, AdamW; no trainer) reaches "
+                 f"{out['bare_efficiency']:.3f}" if args.bare else "") + f"\ntimed: {out['timed']}")
+    finish(out, args, table)
+
+# -----------------------------------------------------------------------------------------------------------------
+# loader: VJ2 samples/s through build_dataloader, and peak memory per process
+
+
+def evict(paths):
+    """Drop our files' pages from the page cache (posix_fadvise), so the next read comes from the disk."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return True
+
+
+class MemorySampler:
+    """Samples rss, anonymous memory (rss - shared: not file-backed, not shared memory) and uss of this
+    process and its children (DataLoader workers) every `interval` seconds; keeps per-process peaks."""
+
+    def __init__(self, interval=0.02):
+        self.interval = interval
+        self.me = psutil.Process()
+        self.cmdline = self.me.cmdline()
+        self.peaks = {}  # pid -> {rss, anon, uss}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self):
+        # DataLoader workers are forks of this process (same command line); skip helpers such as
+        # multiprocessing's resource tracker
+        for p in [self.me] + [c for c in self.me.children(recursive=True) if self._is_fork(c)]:
+            try:
+                full = p.memory_full_info()
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            now = {"rss": full.rss, "anon": full.rss - full.shared, "uss": full.uss}
+            old = self.peaks.setdefault(p.pid, now)
+            for k, v in now.items():
+                old[k] = max(old[k], v)
+
+    def _is_fork(self, proc):
+        try:
+            return proc.cmdline() == self.cmdline
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return False
+
+    def _run(self):
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def __enter__(self):
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+
+def epoch_rate(loader):
+    """Samples/s of one epoch, timed from the arrival of its first batch (which pays for worker start-up and
+    the prefetch queue filling) to the end, over the samples of the later batches."""
+    start, n, first = None, 0, 0
+    for emb, act in loader:
+        if start is None:
+            start, first = time.perf_counter(), emb.shape[0]
+        n += emb.shape[0]
+    if n == first:
+        raise ValueError("an epoch of one batch cannot be timed: use more trajectories or a smaller batch")
+    return (n - first) / (time.perf_counter() - start), n
+
+
+def memory_epochs(loader, epochs):
+    """Peak rss / anon / uss (MiB) of this process and of each DataLoader worker over `epochs` epochs."""
+    gc.collect()
+    before = psutil.Process().memory_full_info()
+    with MemorySampler() as mem:
+        for _ in range(epochs):
+            for batch in loader:
+                del batch
+    me = os.getpid()
+    mb = lambda d: {k: round(v / 2**20, 1) for k, v in d.items()}  # noqa: E731
+    return {"main_before_mb": mb({"rss": before.rss, "anon": before.rss - before.shared, "uss": before.uss}),
+            "main_peak_mb": mb(mem.peaks[me]),
+            "worker_peak_mb": [mb(v) for pid, v in sorted(mem.peaks.items()) if pid != me]}
+
+
+def loader_figures(spec):
+    """Runs in a fresh process (see probe), for one worker count: memory over the 1x dataset, then over the 3x
+    dataset, then samples/s over the 3x dataset with a new loader, cold (evicted) and warm page cache. Each
+    phase has a loader of its own, deleted (workers stopped, maps closed) before the next one starts."""
+    from vj2_dataloader import VJ2TrajectoryDataset
+    torch.set_num_threads(1)
+    kwargs = {} if spec["max_open_files"] is None else {"max_open_files": spec["max_open_files"]}
+
+    def open_loader(size):
+        ds = VJ2TrajectoryDataset(spec["data_dirs"][size], **kwargs)
+        loader = rt.build_dataloader(ds, spec["batch_size"], train=True, rank=0, world_size=1, seed=0,
+                                     num_workers=spec["workers"])
+        info = {"workers": loader.num_workers, "trajectories": len(ds), "max_open_files": ds.max_open_files,
+                "bytes": sum(Path(p).stat().st_size for p in ds.files)}
+        return ds, loader, info
+
+    out = {"memory": []}
+    for size in ("1x", "3x"):
+        ds, loader, info = open_loader(size)
+        out["memory"].append(dict(info, size=size, **memory_epochs(loader, spec["rss_epochs"])))
+        del ds, loader
+        gc.collect()
+    ds, loader, info = open_loader("3x")
+    rate = dict(info, evicted=evict(ds.files))
+    rate["cold_samples_per_s"], rate["samples_per_epoch"] = epoch_rate(loader)
+    rate["warm_samples_per_s"] = median([epoch_rate(loader)[0] for _ in range(spec["warm_epochs"])])
+    out["rate"] = rate
+    del ds, loader
+    return out
+
+
+def probe(spec, timeout):
+    """loader_figures(spec) in a fresh interpreter, so that every probe starts from the same memory baseline
+    and its DataLoader workers are started the way a training script's would be."""
+    cmd = [sys.executable, "-c", "import benchmark, json, sys; print(json.dumps(benchmark.loader_figures("
+                                 "json.loads(sys.argv[1]))))", json.dumps(spec)]
+    proc = subprocess.run(cmd, cwd=REPO, env=child_env(1), capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"loader probe {spec} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def consumer_rate(args, data_dir):
+    """Samples/s of one training step (forward, backward, AdamW) of the model the loader feeds: the AC
+    predictor at its default preset when vj2ac_train_multi_gpu.py provides it, else the default LM."""
+    from vj2_dataloader import VJ2TrajectoryDataset
+    ds = VJ2TrajectoryDataset(data_dir)
+    batch = torch.utils.data.default_collate([ds[i % len(ds)] for i in range(args.batch_size)])
+    try:
+        import vj2ac_train_multi_gpu as vj2ac
+        preset = dict(config.PREDICTOR_PRESETS[config.DEFAULT_PREDICTOR_PRESET])
+        torch.manual_seed(0)
+        model = vj2ac.predictor_for(ds.geometry, argparse.Namespace(**preset))
+        loss_fn = lambda m, b: vj2ac.vj2_loss(m, b, config.ROLLOUT_HORIZON)  # noqa: E731
+        name = (f"AC predictor, preset {config.DEFAULT_PREDICTOR_PRESET} {preset}, rollout_horizon "
+                f"{config.ROLLOUT_HORIZON}, data {ds.geometry}")
+    except (ImportError, AttributeError, KeyError, TypeError) as exc:
+        say(f"vj2ac_train_multi_gpu.py has no usable predictor ({type(exc).__name__}: {exc}); timing the LM")
+        torch.manual_seed(0)
+        model = CausalLM(DEFAULTS.vocab_size, DEFAULTS.hidden_size, DEFAULTS.num_layers, DEFAULTS.num_heads,
+                         DEFAULTS.seq_len)
+        batch = torch.randint(0, DEFAULTS.vocab_size, (args.batch_size, DEFAULTS.seq_len + 1))
+        batch = (batch[:, :-1], batch[:, 1:])
+        loss_fn = lambda m, b: (F.cross_entropy(m(b[0]).flatten(0, 1), b[1].flatten(), reduction="sum"),  # noqa
+                                b[1].numel())
+        name = (f"default LM (vj2ac_train_multi_gpu.py not importable: {type(exc).__name__}: {exc}), "
+                f"batch {args.batch_size}")
+    opt = build_optimizer(model, 1e-3, 0.04, torch.device("cpu"))
+    times = []
+    for _ in range(1 + args.train_steps):  # one warm-up step
+        start = time.perf_counter()
+        out = loss_fn(model, batch)
+        (out[0] / out[1]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    step_s = median(times[1:])
+    return {"model": name, "batch_size": args.batch_size, "threads": torch.get_num_threads(), "step_s": step_s,
+            "samples_per_s": args.batch_size / step_s, "step_s_runs": times[1:]}
+
+
+def link_subset(files, dest):
+    dest.mkdir()
+    for f in files:
+        try:
+            os.link(f, dest / f.name)
+        except OSError:
+            os.symlink(f, dest / f.name)
+
+
+def cmd_loader(args):
+    set_threads(args.threads)
+    geometry = dict(steps=args.steps, patches=args.patches, embed_dim=args.embed_dim,
+                    actions_per_step=args.actions_per_step, channels=args.channels)
+    workers = [int(w) for w in args.workers.split(",")]
+    out = {"command": "loader", "env": environment(),
+           "config": dict(geometry, dtype="float16", batch_size=args.batch_size, workers=workers,
+                          files_1x=args.files, files_3x=3 * args.files, trajectories_per_file=args.traj_per_file,
+                          max_open_files=args.max_open_files, rss_epochs=args.rss_epochs, threads=args.threads),
+           "timed": ("loader: epochs of the training loader (rt.build_dataloader, shuffled, drop_last) in a fresh "
+                     "process per worker count, each timed from its first batch to its end (worker start-up and the "
+                     "first batch excluded); 'cold' right after evicting the files from the page cache "
+                     "(posix_fadvise DONTNEED), 'warm' the median of the later epochs. Memory: sampled every 20 ms "
+                     "over rss_epochs epochs of the 1x dataset, then of the 3x dataset, in that process before the "
+                     "rate epochs, a loader per phase. step: forward + backward + AdamW step of one batch, median "
+                     "after one warm-up step, in this process")}
+    import create_synthetic_data
+    with workdir(args.dir) as tmp:
+        start = time.perf_counter()
+        files = create_synthetic_data.generate(tmp / "all", num_files=3 * args.files,
+                                               trajectories_per_file=args.traj_per_file, dtype="float16", **geometry)
+        say(f"generated {len(files)} files, {sum(f.stat().st_size for f in files) / 2**20:.0f} MiB "
+            f"in {time.perf_counter() - start:.1f}s")
+        link_subset(files[:args.files], tmp / "1x")
+        sets = {"1x": tmp / "1x", "3x": tmp / "all"}
+        consumer = consumer_rate(args, sets["3x"])
+        say(f"training step: {consumer['samples_per_s']:.2f} samples/s ({consumer['model']})")
+        base = dict(batch_size=args.batch_size, max_open_files=args.max_open_files, warm_epochs=args.warm_epochs,
+                    rss_epochs=args.rss_epochs)
+        rates, memory = [], []
+        for w in workers:
+            res = probe(dict(base, data_dirs={k: str(v) for k, v in sets.items()}, workers=w), args.timeout)
+            memory += res["memory"]
+            r = res["rate"]
+            r["cold_vs_step"] = r["cold_samples_per_s"] / consumer["samples_per_s"]
+            r["warm_vs_step"] = r["warm_samples_per_s"] / consumer["samples_per_s"]
+            rates.append(r)
+            say(f"loader, {w} workers: cold {r['cold_samples_per_s']:.1f}, warm {r['warm_samples_per_s']:.1f} "
+                f"samples/s")
+    out.update(consumer=consumer, loader=rates, memory=memory)
+    # verdicts: throughput with one worker (cold cache, the pessimistic case); memory: the largest per-process
+    # peak of non-file-backed memory must not grow from the 1x to the 3x dataset (16 MiB + 10% slack)
+    one = next((r for r in rates if r["workers"] == 1), None)
+    out["target_margin"] = TARGET_LOADER_MARGIN
+    out["meets_rate_target"] = None if one is None else one["cold_vs_step"] >= TARGET_LOADER_MARGIN
+    growth = []
+    for w in workers:
+        peak = {m["size"]: max([m["main_peak_mb"]["anon"]] + [p["anon"] for p in m["worker_peak_mb"]])
+                for m in memory if m["workers"] == min(w, rt.cpu_count())}
+        growth.append({"workers": w, "anon_peak_mb_1x": peak["1x"], "anon_peak_mb_3x": peak["3x"]})
+    out["anon_growth"] = growth
+    out["memory_flat"] = all(g["anon_peak_mb_3x"] <= 1.1 * g["anon_peak_mb_1x"] + 16 for g in growth)
+
+    t1 = markdown(["workers", "cold samples/s", "warm samples/s", "cold / step", "warm / step"],
+                  [[r["workers"], f"{r['cold_samples_per_s']:.1f}", f"{r['warm_samples_per_s']:.1f}",
+                    f"{r['cold_vs_step']:.1f}x", f"{r['warm_vs_step']:.1f}x"] for r in rates])
+    rows = []
+    for m in memory:
+        procs = [("main", m["main_peak_mb"])] + [(f"worker {i}", p) for i, p in enumerate(m["worker_peak_mb"])]
+        for name, p in procs:
+            rows.append([m["size"], f"{m['bytes'] / 2**20:.0f}", m["workers"], name, p["rss"], p["anon"], p["uss"]])
+    t2 = markdown(["dataset", "MiB", "workers", "process", "peak RSS MiB", "peak anon MiB", "peak USS MiB"], rows)
+    traj_mib = 2 * args.steps * args.patches * args.embed_dim / 2**20
+    table = (f"training step: {consumer['samples_per_s']:.2f} samples/s ({consumer['step_s']:.3f} s/step, "
+             f"{consumer['threads']} threads): {consumer['model']}\n\n{t1}\n\n"
+             f"target: one worker >= {TARGET_LOADER_MARGIN:g}x the step's rate (cold cache): "
+             f"{'met' if out['meets_rate_target'] else 'missed' if one else 'not measured (no 1-worker run)'}\n\n"
+             f"{t2}\n\nanon = rss - shared (psutil): memory that is neither file-backed nor shared; mapped file "
+             f"pages count in rss and uss but are reclaimable page cache (at most max_open_files = "
+             f"{rates[0]['max_open_files'] if rates else '?'} maps of {args.traj_per_file} x {traj_mib:.1f} MiB per "
+             f"process). anon does not grow from 1x to 3x: {'yes' if out['memory_flat'] else 'NO'}\n"
+             f"timed: {out['timed']}")
+    finish(out, args, table)
+
+# -----------------------------------------------------------------------------------------------------------------
+# checkpoint: save/load time and size, and how long a save holds up the training loop
+
+
+def timed(fn, repeats):
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return median(times)
+
+
+def payloads(hidden, layers, heads, seq_len, vocab):
+    """The trainer's two checkpoint payloads (see DDPTrainer.save_checkpoint and save_state), after one
+    AdamW step so the optimizer state is fully populated."""
+    torch.manual_seed(0)
+    model = CausalLM(vocab, hidden, layers, heads, seq_len)
+    opt = build_optimizer(model, DEFAULTS.learning_rate, DEFAULTS.weight_decay, torch.device("cpu"))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    x = torch.randint(0, vocab, (2, seq_len + 1))
+    F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+    opt.step()
+    sched.step()
+    gen = torch.Generator()
+    weights = {"model": rt.unwrap_state_dict(model), "global_step": 1, "model_config": model.config,
+               "val_loss": 1.0}
+    state = {"model": rt.unwrap_state_dict(model), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+             "scaler": None, "counters": {k: 0 for k in DDPTrainer.STATE_COUNTERS},
+             "rng": [{**rt.rng_state(), "loader": {"epoch_start": gen.get_state(), "current": gen.get_state()}}],
+             "run": {"world_size": 1, "batch_size": 1, "grad_accum_steps": 1, "seed": 0, "train_samples": 1}}
+    return model, weights, state
+
+
+def save_load(obj, path, repeats):
+    def write(durable):  # the write itself: serialise into a file (and fsync it), no rename, no hash
+        with open(path.with_suffix(".plain"), "wb") as f:
+            torch.save(obj, f)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+    res = {"serialize_s": timed(lambda: torch.save(obj, io.BytesIO()), repeats),
+           "write_nofsync_s": timed(lambda: write(False), repeats),
+           "write_s": timed(lambda: write(True), repeats),
+           "save_s": timed(lambda: rt.atomic_save(obj, path), repeats),
+           "sha256_s": timed(lambda: rt.sha256_file(path), repeats),
+           "load_s": timed(lambda: rt.load_checkpoint(path), repeats),
+           "load_noverify_s": timed(lambda: rt.load_checkpoint(path, verify=False), repeats),
+           "bytes": path.stat().st_size}
+    # what atomic_save does beyond the durable write and the hash: rename, the sidecar (write, fsync, rename)
+    # and two directory fsyncs
+    res["rest_s"] = max(0.0, res["save_s"] - res["write_s"] - res["sha256_s"])
+    return res
+
+
+def in_loop_blocking(args, hidden, layers, heads, run_dir):
+    """A real DDPTrainer run saving weights + resumable state every `every` steps. The loop calls
+    save_checkpoint and save_state and waits for them, so their durations (timed by wrapping the two methods of
+    this trainer object) are what it is held up; the step period that contains a save, minus the median of the
+    others, also catches any after-effect on the next step."""
+    every = args.loop_save_every
+    total = every * args.loop_saves + 1  # the last save is followed by one more step
+    cfg = dict(vocab_size=args.vocab_size, hidden_size=hidden, num_layers=layers, num_heads=heads,
+               seq_len=args.seq_len, batch_size=args.loop_batch, dataset_size=max(1024, (total + 1) * args.loop_batch),
+               max_steps=total, device="cpu", save_interval=0, save_every_iters=every, val_interval=0,
+               resume="none", log_dir=str(run_dir / "logs"), checkpoint_dir=str(run_dir / "ckpt"))
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+        trainer = DDPTrainer(rank=0, world_size=1, config=cfg)
+        calls = []  # (method, tag, seconds)
+        for name in ("save_checkpoint", "save_state"):
+            def timed_call(*a, _orig=getattr(trainer, name), _name=name, **k):
+                start = time.perf_counter()
+                try:
+                    return _orig(*a, **k)
+                finally:
+                    calls.append((_name, a[0] if a else None, time.perf_counter() - start))
+            setattr(trainer, name, timed_call)
+        trainer.train()
+    # a loop save is save_checkpoint("step_N") and the save_state call right after it
+    events = [c[2] + n[2] for c, n in zip(calls, calls[1:])
+              if c[0] == "save_checkpoint" and str(c[1]).startswith("step_") and n[0] == "save_state"]
+    times, _ = metrics_times(cfg["log_dir"])
+    periods = {k + 1: times[k] - times[k - 1] for k in range(2, len(times))}  # period ending at step k+1
+    with_save = [p for step, p in periods.items() if (step - 1) % every == 0]
+    plain = [p for step, p in periods.items() if (step - 1) % every != 0]
+    return {"steps": total, "save_every_iters": every, "batch_size": args.loop_batch, "saves": len(events),
+            "blocked_s": median(events), "blocked_runs": events,
+            "step_s": median(plain), "step_with_save_s": median(with_save),
+            "period_blocked_s": median(with_save) - median(plain)}
+
+
+def cmd_checkpoint(args):
+    set_threads(args.threads)
+    out = {"command": "checkpoint", "env": environment(),
+           "config": dict(sizes=args.sizes, seq_len=args.seq_len, vocab_size=args.vocab_size, repeats=args.repeats,
+                          threads=args.threads, dir=str(args.dir or tempfile.gettempdir())),
+           "timed": ("median of repeats. serialize: torch.save into memory; write: torch.save into a file and fsync "
+                     "it (write w/o fsync also given); save: "
+                     "ddp_runtime.atomic_save (temp file, fsync, rename, SHA-256 sidecar, directory fsync), what "
+                     "DDPTrainer.save_checkpoint/save_state run on rank 0 while every rank waits; load: "
+                     "ddp_runtime.load_checkpoint (SHA-256 check + torch.load weights_only=True). in_loop: a real "
+                     "DDPTrainer run with save_every_iters: the save_checkpoint + save_state calls of a save (median), "
+                     "and the step period with a save minus the median period")}
+    models = []
+    with workdir(args.dir) as tmp:
+        for size in args.sizes.split(","):
+            hidden, layers = (int(v) for v in size.lower().split("x"))
+            heads = DEFAULTS.num_heads if hidden % DEFAULTS.num_heads == 0 else 1
+            model, weights, state = payloads(hidden, layers, heads, args.seq_len, args.vocab_size)
+            entry = {"name": size, "hidden_size": hidden, "num_layers": layers, "num_heads": heads,
+                     "params": sum(p.numel() for p in model.parameters())}
+            entry["weights"] = save_load(weights, tmp / f"{size}_weights.pt", args.repeats)
+            entry["state"] = save_load(state, tmp / f"{size}_state.pt", args.repeats)
+            entry["blocked_s"] = entry["weights"]["save_s"] + entry["state"]["save_s"]
+            entry["write_s"] = entry["weights"]["write_s"] + entry["state"]["write_s"]
+            entry["blocked_over_write"] = entry["blocked_s"] / entry["write_s"]
+            if args.loop_saves:
+                entry["in_loop"] = in_loop_blocking(args, hidden, layers, heads, tmp / f"loop_{size}")
+            models.append(entry)
+            say(f"checkpoint {size}: weights {entry['weights']['bytes'] / 2**20:.1f} MiB, "
+                f"state {entry['state']['bytes'] / 2**20:.1f} MiB, blocks {entry['blocked_s'] * 1000:.1f} ms")
+            del model, weights, state
+    out["models"] = models
+    out["target_blocked_over_write"] = TARGET_BLOCKED_OVER_WRITE
+    out["meets_target"] = all(m["blocked_over_write"] <= TARGET_BLOCKED_OVER_WRITE for m in models)
+    rows = []
+    for m in models:
+        for kind in ("weights", "state"):
+            r = m[kind]
+            rows.append([f"{m['name']} ({m['params'] / 1e6:.2f}M)", kind, f"{r['bytes'] / 2**20:.2f}",
+                         f"{r['serialize_s'] * 1e3:.1f}", f"{r['write_nofsync_s'] * 1e3:.1f}",
+                         f"{r['write_s'] * 1e3:.1f}", f"{r['save_s'] * 1e3:.1f}", f"{r['sha256_s'] * 1e3:.1f}",
+                         f"{r['rest_s'] * 1e3:.1f}", f"{r['load_s'] * 1e3:.1f}",
+                         f"{r['load_noverify_s'] * 1e3:.1f}"])
+    t1 = markdown(["model (params)", "payload", "MiB", "serialize ms", "write ms", "write+fsync ms", "save ms",
+                   "of which sha256 ms", "of which rest ms", "load ms", "load w/o verify ms"], rows)
+    rows = []
+    for m in models:
+        loop = m.get("in_loop")
+        rows.append([m["name"], f"{m['write_s'] * 1e3:.1f}", f"{m['blocked_s'] * 1e3:.1f}",
+                     f"{m['blocked_over_write']:.2f}",
+                     "-" if not loop else f"{loop['blocked_s'] * 1e3:.1f}",
+                     "-" if not loop else f"{loop['period_blocked_s'] * 1e3:.1f}",
+                     "-" if not loop else f"{loop['step_s'] * 1e3:.1f}"])
+    t2 = markdown(["model", "write weights+state ms", "save blocks ms", "blocks / write", "in a real loop: saves "
+                   "block ms", "step period with a save - without ms", "step ms"], rows)
+    table = (f"{t1}\n\n{t2}\n\ntarget: a save blocks no longer than the write itself (write+fsync, "
+             f"x{TARGET_BLOCKED_OVER_WRITE:g} for noise): {'met' if out['meets_target'] else 'missed'}\n"
+             f"timed: {out['timed']}")
+    finish(out, args, table)
+
+# -----------------------------------------------------------------------------------------------------------------
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of tables")
+    common.add_argument("--dir", help="parent of the temporary work directory (default: the system temp dir)")
+    common.add_argument("--timeout", type=float, default=600.0, help="seconds any child process may run")
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+
+    o = sub.add_parser("overhead", parents=[common], formatter_class=fmt,
+                       help="DDPTrainer (1 process, all checks on) vs a bare PyTorch loop, interleaved")
+    add_model_flags(o)
+    o.add_argument("--steps", type=int, default=200, help="timed steps per run")
+    o.add_argument("--warmup", type=int, default=5, help="untimed steps at the start of each run")
+    o.add_argument("--repeats", type=int, default=5, help="interleaved pairs (bare, trainer)")
+    o.add_argument("--threads", type=int, default=rt.cpu_count(), help="intra-op threads, both loops")
+    o.add_argument("--seed", type=int, default=DEFAULTS.seed)
+    o.add_argument("--trainer_set", action="append", default=[], metavar="KEY=VALUE",
+                   help="change a trainer config key for the trainer runs only (repeatable), e.g. cleanup_interval=0")
+    o.set_defaults(fn=cmd_overhead)
+
+    s = sub.add_parser("scaling", parents=[common], formatter_class=fmt,
+                       help="weak scaling: 1 vs --nproc gloo processes, batch and threads per process fixed")
+    add_model_flags(s)
+    s.add_argument("--nproc", type=int, default=2)
+    s.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
+    s.add_argument("--steps", type=int, default=60, help="timed steps per run")
+    s.add_argument("--warmup", type=int, default=10, help="untimed steps at the start of each run")
+    s.add_argument("--repeats", type=int, default=3, help="interleaved repeats (1, N, 1, N, ...)")
+    s.add_argument("--seed", type=int, default=DEFAULTS.seed)
+    s.add_argument("--bare", type=int, default=1, choices=[0, 1],
+                   help="also time a bare DDP loop (same model, data, optimizer) at 1 and N processes")
+    s.set_defaults(fn=cmd_scaling)
+
+    ld = sub.add_parser("loader", parents=[common], formatter_class=fmt,
+                        help="VJ2TrajectoryDataset samples/s (0, 1, 2 workers) vs a training step; peak memory")
+    ld.add_argument("--workers", default="0,1,2", help="comma-separated worker counts")
+    ld.add_argument("--batch_size", type=int, default=4, help="trajectories per batch (the AC trainer's default)")
+    ld.add_argument("--files", type=int, default=12, help="files of the 1x dataset; the 3x dataset has 3x as many")
+    ld.add_argument("--traj_per_file", type=int, default=2)
+    ld.add_argument("--steps", type=int, default=config.NUM_STEPS, help="T")
+    ld.add_argument("--patches", type=int, default=config.PATCHES_PER_STEP, help="P")
+    ld.add_argument("--embed_dim", type=int, default=config.EMBED_DIM, help="D")
+    ld.add_argument("--actions_per_step", type=int, default=config.ACTIONS_PER_STEP, help="A")
+    ld.add_argument("--channels", type=int, default=config.ACTION_CHANNELS, help="C")
+    ld.add_argument("--max_open_files", type=int, help="the dataset's map LRU (default: the dataset's default)")
+    ld.add_argument("--warm_epochs", type=int, default=2, help="timed epochs after the cold one")
+    ld.add_argument("--rss_epochs", type=int, default=2, help="epochs over each dataset while sampling memory")
+    ld.add_argument("--train_steps", type=int, default=3, help="timed training steps (after one warm-up step)")
+    ld.add_argument("--threads", type=int, default=rt.cpu_count(), help="intra-op threads of the training step")
+    ld.set_defaults(fn=cmd_loader)
+
+    c = sub.add_parser("checkpoint", parents=[common], formatter_class=fmt,
+                       help="save/load time and size of weights-only and full resumable checkpoints")
+    c.add_argument("--sizes", default=f"{DEFAULTS.hidden_size}x{DEFAULTS.num_layers},512x8",
+                   help="comma-separated HIDDENxLAYERS of the LM")
+    c.add_argument("--seq_len", type=int, default=DEFAULTS.seq_len)
+    c.add_argument("--vocab_size", type=int, default=DEFAULTS.vocab_size)
+    c.add_argument("--repeats", type=int, default=5)
+    c.add_argument("--threads", type=int, default=rt.cpu_count())
+    c.add_argument("--loop_saves", type=int, default=3, help="saves timed inside a real training run; 0 = skip")
+    c.add_argument("--loop_save_every", type=int, default=4, help="save_every_iters of that run")
+    c.add_argument("--loop_batch", type=int, default=4, help="batch size of that run")
+    c.set_defaults(fn=cmd_checkpoint)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    args.fn(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
