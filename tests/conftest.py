@@ -33,19 +33,21 @@ def clean_env(**extra) -> dict:
     return env
 
 
-def run(cmd, cwd, timeout=180, env=None, check=False) -> subprocess.CompletedProcess:
-    """Run a command in its own session; on timeout kill the whole group and fail the test."""
+def run(cmd, cwd, timeout=180, env=None, check=False, merge_stderr=True) -> subprocess.CompletedProcess:
+    """Run a command in its own session; on timeout kill the whole group and fail the test.
+    With merge_stderr=False, stdout stays clean (e.g. for one JSON document)."""
     proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env or clean_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n{out[-4000:]}")
-    result = subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n{(err or out)[-4000:]}")
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err or "")
     if check and proc.returncode != 0:
-        pytest.fail(f"exit {proc.returncode}: {' '.join(map(str, cmd))}\n{out[-6000:]}")
+        pytest.fail(f"exit {proc.returncode}: {' '.join(map(str, cmd))}\n{(out + (err or ''))[-6000:]}")
     return result
 
 

@@ -4,30 +4,21 @@ asserted: these run on busy CI machines."""
 
 import json
 import math
-import os
-import signal
-import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, clean_env
+from conftest import REPO, run
 
 TINY_LM = ["--hidden_size", "32", "--num_layers", "1", "--num_heads", "2", "--seq_len", "16", "--batch_size", "4"]
 
 
 def bench(*args, timeout=120):
     """Run benchmark.py with --json; stdout must be exactly one JSON object."""
-    cmd = [sys.executable, str(REPO / "benchmark.py"), *map(str, args), "--json"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n{err[-4000:]}")
-    assert proc.returncode == 0, f"exit {proc.returncode}: {' '.join(cmd)}\n{err[-4000:]}"
+    cmd = [sys.executable, REPO / "benchmark.py", *args, "--json"]
+    r = run(cmd, cwd=REPO, timeout=timeout, merge_stderr=False)
+    assert r.returncode == 0, f"exit {r.returncode}: {' '.join(map(str, cmd))}\n{r.stderr[-4000:]}"
+    out = r.stdout
     return json.loads(out)  # fails on anything but one JSON document
 
 
