@@ -197,9 +197,22 @@ def read_failure_markers(log_dir, exclude: int, wait_s: float) -> list:
         time.sleep(0.1)
 
 
-def teardown_distributed() -> None:
+def teardown_distributed(synchronize: bool = False) -> None:
+    """Leave the process group; after a clean finish all ranks leave together, so no rank tears
+    down its connections while a peer still uses them."""
     if dist.is_available() and dist.is_initialized():
+        if synchronize:
+            dist.barrier()
         dist.destroy_process_group()
+
+
+def exit_process(code: int) -> None:
+    """Flush everything and exit without running C++ static destructors: with gloo these can
+    abort a finished process ("terminate called without an active exception", exit -6)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # ----------------------------------------------------------------------------

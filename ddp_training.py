@@ -1033,9 +1033,11 @@ class DDPTrainer:
             self._link_checkpoints()
             self._metrics_file = open(self.metrics_path, "a")
             self._tb = self._open_tensorboard() if self.cfg.tensorboard else None
+        clean = False
         try:
             status = self._loop(stop_signal)
             summary = self._finish(status)
+            clean = True
         except BaseException as exc:
             self.log.error("training failed at step %d: %s: %s", self.global_step, type(exc).__name__, exc)
             if not isinstance(exc, StepFailed):  # the original error: let the other ranks name it
@@ -1049,7 +1051,7 @@ class DDPTrainer:
                 self._metrics_file.close()
                 if self._tb is not None:
                     self._tb.close()
-            rt.teardown_distributed()
+            rt.teardown_distributed(synchronize=clean)
             rt.close_logger(self.log)
         return summary
 
@@ -1361,4 +1363,4 @@ def main(argv: Optional[list] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rt.exit_process(main())

@@ -387,4 +387,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rt.exit_process(main())
