@@ -1326,8 +1326,7 @@ def free_port() -> int:
 
 def _spawned_worker(rank: int, world_size: int, cfg: dict) -> None:
     summary = DDPTrainer(rank=rank, world_size=world_size, config=cfg).train()
-    if summary["status"] == "interrupted":
-        sys.exit(rt.EXIT_PREEMPTED)
+    rt.exit_process(rt.EXIT_PREEMPTED if summary["status"] == "interrupted" else 0)
 
 
 def spawn_local(nproc: int, cfg: dict) -> int:
