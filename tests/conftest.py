@@ -79,6 +79,14 @@ def torchrun_workers(agent: subprocess.Popen) -> dict:
     return out
 
 
+def make_vj2_data(root: Path, train_files: int, per_file: int, val_trajectories: int) -> Path:
+    """A VJ2 training set (seed 0) and a validation set (seed 1) sharing one synthetic encoder."""
+    import create_synthetic_data as gen
+    gen.generate(root / "train", num_files=train_files, trajectories_per_file=per_file, seed=0)
+    gen.generate(root / "val", num_files=1, trajectories_per_file=val_trajectories, seed=1)
+    return root
+
+
 @pytest.fixture
 def no_launch_env(monkeypatch):
     for var in LAUNCH_VARS:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ddp_runtime as rt
-from conftest import clean_env, torchrun, torchrun_workers, wait_for_step
+from conftest import clean_env, make_vj2_data, torchrun, torchrun_workers, wait_for_step
 from dist_helpers import spawn
 from ddp_training import DDPTrainer, lm_loss
 
@@ -242,11 +242,7 @@ def test_sigterm_to_the_agent_then_relaunch_is_bit_identical(tmp_path, reference
 
 @pytest.fixture(scope="module")
 def vj2_root(tmp_path_factory):
-    import create_synthetic_data as gen
-    root = tmp_path_factory.mktemp("vj2resume")
-    gen.generate(root / "train", num_files=1, trajectories_per_file=128, seed=0)
-    gen.generate(root / "val", num_files=1, trajectories_per_file=8, seed=1)
-    return root
+    return make_vj2_data(tmp_path_factory.mktemp("vj2resume"), 1, 128, 8)
 
 
 def vj2_cmd(root, run):

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, clean_env, run, torchrun, torchrun_workers, wait_for_step
+from conftest import REPO, clean_env, make_vj2_data, run, torchrun, torchrun_workers, wait_for_step
 
 import ddp_runtime as rt
 from ddp_training import CausalLM, DDPTrainer, TrainConfig, build_arg_parser, config_from_args
@@ -344,11 +344,7 @@ def test_npy_token_file_is_memory_mapped_and_trains(tmp_path, no_launch_env):
 
 @pytest.fixture(scope="module")
 def vj2_data(tmp_path_factory):
-    import create_synthetic_data as gen
-    root = tmp_path_factory.mktemp("vj2")
-    gen.generate(root / "train", num_files=2, trajectories_per_file=64, seed=0)
-    gen.generate(root / "val", num_files=1, trajectories_per_file=16, seed=1)
-    return root
+    return make_vj2_data(tmp_path_factory.mktemp("vj2"), 2, 64, 16)
 
 
 def vj2_args(root, run, *extra):
