@@ -14,10 +14,12 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import random
 import re
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -669,6 +671,106 @@ def unwrap_state_dict(model: torch.nn.Module) -> dict:
     inner = getattr(model, "module", model)
     inner = getattr(inner, "_orig_mod", inner)
     return inner.state_dict()
+
+
+def host_snapshot(obj: Any, memo: Optional[dict] = None) -> Any:
+    """A copy of `obj` (nested dicts, lists, tuples) whose tensors live in fresh host memory, so
+    training can go on changing the originals while the copy is written. Tensors that are the same
+    view of the same storage (tied weights) stay one tensor in the copy; pass one `memo` to share
+    them across several payloads."""
+    memo = {} if memo is None else memo
+    if isinstance(obj, torch.Tensor):
+        key = (obj.untyped_storage().data_ptr(), str(obj.device), obj.storage_offset(), tuple(obj.shape),
+               obj.stride(), obj.dtype)
+        if key not in memo:
+            memo[key] = obj.detach().to("cpu", copy=True)
+        return memo[key]
+    if isinstance(obj, dict):
+        return type(obj)((k, host_snapshot(v, memo)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(host_snapshot(v, memo) for v in obj)
+    return obj
+
+
+class CheckpointWriter:
+    """Rank 0 writes checkpoints with `atomic_save`; every rank calls `save` at the same points.
+
+    In the background (the default) the loop waits only for a host copy of the payload: a thread
+    writes the copy, in submission order, while training goes on. Payloads saved at one save point
+    (`group`, e.g. the step) share their copies; the next save point first waits for the previous
+    one's writes, so at most one save point's copy is held in memory. A write that failed fails
+    every rank at the next save point or `flush()`, as a synchronous write fails at once. Files
+    appear only complete (temp file, fsync, rename), so a crash mid-write leaves the previous ones.
+    """
+
+    def __init__(self, background: bool = True, log: Optional[logging.Logger] = None):
+        self.background = background
+        self.log = log or logging.getLogger(__name__)
+        self.is_writer = not dist.is_initialized() or dist.get_rank() == 0
+        self._jobs: "queue.Queue" = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[Exception] = None
+        self._group: Any = None
+        self._memo: dict = {}
+
+    def save(self, payload: Any, path: str | os.PathLike, group: Any = None, then=None) -> Path:
+        """Write `payload` to `path` (on rank 0), then call `then()` there (e.g. prune old files)."""
+        path = Path(path)
+        if not self.background:
+            run_on_rank0(self._write, payload, path, then, what=f"writing {path}")
+            return path
+        if group is None or group != self._group:
+            self.flush()
+            self._group, self._memo = group, {}
+        if self.is_writer:
+            self._jobs.put((host_snapshot(payload, self._memo), path, then))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="checkpoint-writer", daemon=True)
+                self._thread.start()
+        return path
+
+    def flush(self) -> None:
+        """Wait (every rank) until rank 0 has written everything saved so far; raise on every
+        rank if a write failed."""
+        if self.background:
+            self._memo = {}
+            run_on_rank0(self._wait, what="a background checkpoint write")
+
+    def close(self) -> Optional[Exception]:
+        """Finish pending writes on this rank without talking to the others (for a failing run,
+        whose peers may be gone); returns the first write error instead of raising it."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
+        self._memo = {}
+        return self._error
+
+    def _wait(self) -> None:
+        self._jobs.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _write(self, payload: Any, path: Path, then) -> None:
+        start = time.perf_counter()
+        atomic_save(payload, path)
+        if then is not None:
+            then()
+        self.log.debug("wrote %s in %.3f s", path, time.perf_counter() - start)
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            payload, path, then = job
+            try:
+                self._write(payload, path, then)
+            except Exception as exc:  # raised in the training thread by flush()
+                self.log.error("writing %s failed: %s: %s", path, type(exc).__name__, exc)
+                if self._error is None:
+                    self._error = CheckpointError(f"writing {path} failed: {type(exc).__name__}: {exc}")
+            finally:
+                self._jobs.task_done()
+        self._jobs.task_done()
 
 
 # ----------------------------------------------------------------------------

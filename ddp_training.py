@@ -106,6 +106,7 @@ class TrainConfig:
     save_every_iters: int = 0           # steps between <prefix>_step_N.pt; 0 = off
     resume: str = "auto"                # auto: newest valid state in checkpoint_dir | none | PATH
     keep_states: int = 2                # resumable states kept (newest first)
+    async_checkpoint: bool = True       # rank 0 writes checkpoints on a background thread from a host copy
     # faults
     max_errors_per_epoch: int = 5
     max_bad_steps: int = 5              # consecutive non-finite steps before giving up
@@ -595,6 +596,8 @@ class DDPTrainer:
         self._tb = None
         self._bar = None
         self.ckpt_dir = Path(cfg.checkpoint_dir)
+        self.writer = rt.CheckpointWriter(cfg.async_checkpoint, self.log)
+        self.state_step: Optional[int] = None  # the step of the newest resumable state this run saved
 
         self.global_step = 0
         self.epoch = 0
@@ -802,6 +805,7 @@ class DDPTrainer:
         reports = rt.gather_objects(mine)
         if save:
             self.save_checkpoint("interrupted")
+            self.writer.flush()
         lines = [f"rank {r}: {m}" for r, m in enumerate(reports) if m]
         text = f"step {self.global_step + 1} failed on " + "; ".join(lines)
         if any("parameters without gradients" in line for line in lines):
@@ -850,14 +854,14 @@ class DDPTrainer:
         return self.ckpt_dir / f"{self.cfg.checkpoint_prefix}_{tag}.pt"
 
     def save_checkpoint(self, tag: str) -> Path:
-        """Weights only (no `module.` prefix), step and val loss; rank 0 writes atomically,
-        and a failed write is an error on every rank."""
+        """Weights only (no `module.` prefix), step and val loss. Rank 0 writes atomically, in the
+        background unless async_checkpoint is off; a failed write is an error on every rank."""
         path = self.checkpoint_path(tag)
         payload = {self.weights_key: rt.unwrap_state_dict(self.model), "global_step": self.global_step,
                    **self.checkpoint_extra}
         if self.last_val is not None:
             payload["val_loss"] = self.last_val
-        rt.run_on_rank0(rt.atomic_save, payload, path, what=f"writing {path}")
+        self.writer.save(payload, path, group=self.global_step)
         self.log.info("saved checkpoint %s (step %d%s)", path, self.global_step,
                       "" if self.last_val is None else f", val_loss {self.last_val:.6f}")
         return path
@@ -891,11 +895,10 @@ class DDPTrainer:
                          "grad_accum_steps": cfg.grad_accum_steps, "seed": cfg.seed,
                          "train_samples": self._train_samples()}}
         path = self.state_path(self.global_step)
-
-        def write():
-            rt.atomic_save(state, path)
-            rt.keep_newest(self.state_files(), cfg.keep_states)  # only after the new one is complete
-        rt.run_on_rank0(write, what=f"writing {path}")
+        # Older states go only once the new one is complete.
+        self.writer.save(state, path, group=self.global_step,
+                         then=lambda: rt.keep_newest(self.state_files(), cfg.keep_states))
+        self.state_step = self.global_step
         self.log.info("saved resumable state %s (step %d, epoch %d, %d steps into the epoch)", path,
                       self.global_step, self.epoch, self.step_in_epoch)
         return path
@@ -928,6 +931,8 @@ class DDPTrainer:
         everyone = rt.gather_objects(str(chosen))
         if len(set(everyone)) != 1:
             raise RuntimeError(f"ranks chose different states to resume from: {everyone}")
+        if chosen is not None:
+            self.state_step = self.global_step
         if chosen is None:
             self.log.info("no resumable state in %s: starting fresh", self.ckpt_dir)
         else:
@@ -1044,6 +1049,7 @@ class DDPTrainer:
                 rt.write_failure_marker(self.cfg.log_dir, self.env.rank, self.global_step + 1, exc)
             raise
         finally:
+            self.writer.close()  # a failing run still completes the writes it started (errors are logged)
             stop_signal.restore()
             if self._bar is not None:
                 self._bar.close()
@@ -1154,8 +1160,9 @@ class DDPTrainer:
         self.log.warning("stop signal received (%s on some rank): saving and exiting at step %d",
                          stop_signal.name or "another rank", self.global_step)
         self.save_checkpoint("interrupted")
-        if not self.state_path(self.global_step).exists():
+        if self.state_step != self.global_step:
             self.save_state()
+        self.writer.flush()  # the marker promises files that are on disk
         rt.run_on_rank0(self._write_preempted_marker, what="writing PREEMPTED marker")
         return "interrupted"
 
@@ -1180,6 +1187,7 @@ class DDPTrainer:
         if self.consecutive_bad_steps >= cfg.max_bad_steps:
             # Skipped steps left the weights untouched: these are the last good ones.
             self.save_checkpoint("interrupted")
+            self.writer.flush()
             raise FloatingPointError(f"{self.consecutive_bad_steps} consecutive non-finite steps "
                                      f"(max_bad_steps={cfg.max_bad_steps}) at step {self.global_step}; "
                                      f"last good weights saved to {self.checkpoint_path('interrupted')}")
@@ -1230,6 +1238,7 @@ class DDPTrainer:
     def _finish(self, status: str) -> dict:
         if status != "interrupted":
             self.save_checkpoint("final")
+        self.writer.flush()
         test = self.evaluate(self.test_loader) if self.test_loader is not None and status != "interrupted" else None
         wall = time.time() - self.t0
         summary = {"status": status, "steps": self.global_step,

@@ -4,6 +4,8 @@ import io
 import logging
 import os
 import signal
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -147,7 +149,7 @@ def test_too_small_training_set_is_a_clear_error():
 
 # -- collectives on real processes ---------------------------------------------------
 
-def _collectives(rank, world_size):
+def _collectives(rank, world_size, root):
     rt.setup_distributed(rank, world_size, device="cpu", timeout_s=30)
     try:
         out = dict(any_true=rt.any_rank(rank == 1), any_false=rt.any_rank(False),
@@ -161,19 +163,34 @@ def _collectives(rank, world_size):
             rt.run_on_rank0(failing, what="writing x")
         except Exception as exc:
             out["error"] = f"{type(exc).__name__}: {exc}"
+        # A background write that fails on rank 0 fails every rank at the next flush.
+        (Path(root) / "a_file").write_text("not a directory")
+        writer = rt.CheckpointWriter(background=True)
+        writer.save({"w": torch.ones(2)}, Path(root) / "a_file" / "x.pt", group=1)
+        try:
+            writer.flush()
+        except Exception as exc:
+            out["background_error"] = f"{type(exc).__name__}: {exc}"
+        writer.save({"w": torch.ones(2)}, Path(root) / "ok.pt", group=2)
+        writer.flush()
+        writer.close()
         return out
     finally:
         rt.teardown_distributed()
 
 
 @pytest.mark.multi
-def test_collective_decisions_agree_on_every_rank():
-    r0, r1 = spawn(_collectives, 2)
+def test_collective_decisions_agree_on_every_rank(tmp_path):
+    r0, r1 = spawn(_collectives, 2, str(tmp_path))
     for r in (r0, r1):
         assert r["any_true"] and not r["any_false"] and not r["all_mixed"] and r["all_true"]
         assert r["bcast"] == {"from": 0} and r["gathered"] == [0, 10] and r["summed"] == [1.0, 2.0]
     assert r0["error"] == "OSError: disk full"
     assert r1["error"] == "RuntimeError: writing x failed on rank 0: OSError: disk full"
+    assert r0["background_error"].startswith(f"CheckpointError: writing {tmp_path / 'a_file' / 'x.pt'} failed: ")
+    assert r1["background_error"].startswith("RuntimeError: a background checkpoint write failed on rank 0: "
+                                             "CheckpointError: writing ")
+    assert torch.equal(rt.load_checkpoint(tmp_path / "ok.pt")["w"], torch.ones(2))
 
 
 # -- signals ----------------------------------------------------------------------
@@ -200,6 +217,30 @@ def test_atomic_save_roundtrip_and_hash(tmp_path):
     path.write_bytes(bytes(raw))
     with pytest.raises(rt.CheckpointError, match="SHA-256"):
         rt.load_checkpoint(path)
+
+
+def test_background_writer_saves_the_values_of_the_moment_it_was_called(tmp_path, monkeypatch):
+    release = threading.Event()
+    real = rt.atomic_save
+    monkeypatch.setattr(rt, "atomic_save", lambda obj, path: (release.wait(10), real(obj, path))[1])
+    emb = torch.arange(6.0).reshape(2, 3)
+    payload = {"emb": emb, "head": emb.detach(), "opt": {"state": {0: {"m": torch.ones(3)}}}, "step": 4}
+    writer = rt.CheckpointWriter(background=True)
+    order = []
+    writer.save(payload, tmp_path / "a.pt", group=4, then=lambda: order.append("a"))
+    writer.save({"head": payload["head"]}, tmp_path / "b.pt", group=4, then=lambda: order.append("b"))
+    emb.add_(100.0)  # training goes on while the writes wait
+    payload["opt"]["state"][0]["m"].zero_()
+    assert not (tmp_path / "a.pt").exists()
+    release.set()
+    writer.flush()
+    assert order == ["a", "b"]
+    a = rt.load_checkpoint(tmp_path / "a.pt")
+    assert torch.equal(a["emb"], torch.arange(6.0).reshape(2, 3)) and a["step"] == 4
+    assert torch.equal(a["opt"]["state"][0]["m"], torch.ones(3))
+    assert a["emb"].data_ptr() == a["head"].data_ptr()  # tied weights stay tied in the file
+    assert torch.equal(rt.load_checkpoint(tmp_path / "b.pt")["head"], torch.arange(6.0).reshape(2, 3))
+    assert writer.close() is None
 
 
 def test_failed_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
