@@ -331,11 +331,18 @@ class MemoryManager:
         self.max_memory_gb = max_memory_gb
         self.process = psutil.Process()
         self.peak_rss_gb = 0.0
+        self.peak_anon_gb = 0.0
 
     def stats(self) -> dict:
-        rss = self.process.memory_info().rss / 2**30
+        """RSS, and anonymous memory (RSS less file-backed and shared pages): pages of memory-mapped
+        data count in RSS but the kernel can drop them at any time, so the limit applies to `anon`."""
+        info = self.process.memory_info()
+        rss = info.rss / 2**30
+        anon = (info.rss - getattr(info, "shared", 0)) / 2**30
         self.peak_rss_gb = max(self.peak_rss_gb, rss)
-        out = {"cpu_rss_gb": round(rss, 4), "cpu_peak_rss_gb": round(self.peak_rss_gb, 4)}
+        self.peak_anon_gb = max(self.peak_anon_gb, anon)
+        out = {"cpu_rss_gb": round(rss, 4), "cpu_anon_gb": round(anon, 4),
+               "cpu_peak_rss_gb": round(self.peak_rss_gb, 4), "cpu_peak_anon_gb": round(self.peak_anon_gb, 4)}
         if self.device.type == "cuda":
             i = self.device.index
             out.update(cuda_allocated_gb=round(torch.cuda.memory_allocated(i) / 2**30, 4),
@@ -353,7 +360,7 @@ class MemoryManager:
             return None
         s = self.stats()
         self.logger.debug("memory at step %d: %s", step, s)
-        used = s.get("cuda_reserved_gb", s["cpu_rss_gb"])
+        used = s.get("cuda_reserved_gb", s["cpu_anon_gb"])
         if self.max_memory_gb and used > self.max_memory_gb:
             self.logger.warning("memory %.2f GB exceeds max_memory_gb=%.2f at step %d",
                                 used, self.max_memory_gb, step)

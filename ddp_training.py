@@ -1248,7 +1248,8 @@ class DDPTrainer:
                    "test_loss": None if test is None else test["loss"], "wall_time_s": round(wall, 3),
                    "samples_per_s": self.samples_seen / wall if wall > 0 else None,
                    "skipped_steps": self.skipped_steps, "world_size": self.env.world_size,
-                   "peak_rss_gb": self.memory.stats()["cpu_peak_rss_gb"], **self.data_info}
+                   "peak_rss_gb": self.memory.stats()["cpu_peak_rss_gb"],
+                   "peak_anon_gb": self.memory.stats()["cpu_peak_anon_gb"], **self.data_info}
         if self.env.device.type == "cuda":
             summary["cuda_peak_gb"] = self.memory.stats()["cuda_peak_gb"]
         self.write_metrics({"type": "summary", **summary})

@@ -88,6 +88,21 @@ def test_memory_manager_warns_and_cleans(tmp_path, monkeypatch, caplog):
     assert sum("exceeds max_memory_gb" in r.message for r in caplog.records) == 2
 
 
+def test_memory_limit_counts_anonymous_memory_not_mapped_file_pages(tmp_path):
+    """Reading memory-mapped data raises RSS by its size; the limit watches anonymous memory."""
+    import numpy as np
+    path = tmp_path / "data.npy"
+    np.save(path, np.ones(64 * 2**20, dtype=np.uint8))
+    mm = rt.MemoryManager(torch.device("cpu"), logging.getLogger("memtest"))
+    before = mm.stats()
+    data = np.load(path, mmap_mode="r", allow_pickle=False)
+    assert int(data.sum(dtype=np.int64)) == 64 * 2**20  # every page read
+    after = mm.stats()
+    assert after["cpu_rss_gb"] - before["cpu_rss_gb"] > 48 / 1024
+    assert abs(after["cpu_anon_gb"] - before["cpu_anon_gb"]) < 16 / 1024
+    assert after["cpu_peak_anon_gb"] >= after["cpu_anon_gb"] and after["cpu_peak_rss_gb"] >= after["cpu_rss_gb"]
+
+
 # -- data loaders ---------------------------------------------------------------
 
 class Range(torch.utils.data.Dataset):
