@@ -368,17 +368,20 @@ def scaling_run(args, nproc, run_dir, dataset_size):
 
 
 def bare_ddp_worker(rank, world_size, spec):
-    """One rank of the bare loop under DDP (gloo), sharded like the trainer; rank 0 writes its step times."""
+    """One rank of the bare loop under DDP (gloo), sharded like the trainer; rank 0 writes its step times.
+    With spec["independent"] the ranks share nothing: no process group, no DDP, each trains on its own shard
+    (what N processes reach on this machine when communication costs nothing)."""
     torch.set_num_threads(spec["threads"])
     cfg = TrainConfig.from_dict(spec["cfg"])
-    if world_size > 1:
+    grouped = world_size > 1 and not spec.get("independent")
+    if grouped:
         import datetime
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size,
                                              timeout=datetime.timedelta(seconds=300))
     try:
         data = synthetic_lm_data(cfg)
         raw = build_lm(cfg)
-        model = raw if world_size == 1 else torch.nn.parallel.DistributedDataParallel(
+        model = raw if not grouped else torch.nn.parallel.DistributedDataParallel(
             raw, gradient_as_bucket_view=True, bucket_cap_mb=cfg.bucket_cap_mb)
         loader = rt.build_dataloader(data.train, cfg.batch_size, train=True, rank=rank, world_size=world_size,
                                      seed=cfg.seed)
@@ -392,13 +395,13 @@ def bare_ddp_worker(rank, world_size, spec):
     rt.exit_process(0)  # as the trainer's ranks do: gloo's C++ destructors can abort a finished process
 
 
-def bare_scaling_run(args, nproc, run_dir, cfg):
+def bare_scaling_run(args, nproc, run_dir, cfg, independent=False):
     """`nproc` ranks of the bare loop, spawned from this process with torch.multiprocessing on a free port (what
     --nproc does for the trainer); one process runs without a process group, like the trainer's."""
     import benchmark  # the ranks import this module by name, also when it runs as __main__
     from ddp_training import free_port
     run_dir.mkdir(parents=True)
-    spec = {"threads": args.threads, "cfg": cfg, "out": str(run_dir / "times.json")}
+    spec = {"threads": args.threads, "cfg": cfg, "out": str(run_dir / "times.json"), "independent": independent}
     saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")}
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS=str(args.threads))
     start = time.perf_counter()
@@ -447,6 +450,7 @@ def cmd_scaling(args):
                     seed=args.seed, device="cpu")
     runs = {1: [], args.nproc: []}
     bare = {1: [], args.nproc: []}
+    independent = []
     with workdir(args.dir) as tmp:
         for rep in range(args.repeats):
             for n in (1, args.nproc):  # interleaved: 1, N, 1, N, ...
@@ -459,6 +463,11 @@ def cmd_scaling(args):
                     bare[n].append(r)
                     say(f"scaling repeat {rep + 1}/{args.repeats}: bare DDP loop, {n} process(es) "
                         f"{r['samples_per_s']:.1f} samples/s")
+                if args.bare and n > 1:
+                    r = bare_scaling_run(args, n, tmp / f"indep_n{n}_rep{rep}", bare_cfg, independent=True)
+                    independent.append(r)
+                    say(f"scaling repeat {rep + 1}/{args.repeats}: {n} bare loops, no communication "
+                        f"{r['samples_per_s']:.1f} samples/s")
     rows = scaling_rows(runs, args.steps)
     eff = rows[-1]["efficiency"]
     out.update(rows=rows, efficiency=eff, target_efficiency=TARGET_SCALING_EFFICIENCY,
@@ -466,15 +475,21 @@ def cmd_scaling(args):
     if args.bare:
         out["bare_rows"] = scaling_rows(bare, args.steps)
         out["bare_efficiency"] = out["bare_rows"][-1]["efficiency"]
+        out["independent_row"] = scaling_rows({1: bare[1], args.nproc: independent}, args.steps)[-1]
+        out["independent_efficiency"] = out["independent_row"]["efficiency"]
     table_rows = [["DDPTrainer", *scaling_cells(r)] for r in rows]
     table_rows += [["bare DDP loop", *scaling_cells(r)] for r in out.get("bare_rows", [])]
+    if args.bare:
+        table_rows.append(["bare loops, no communication", *scaling_cells(out["independent_row"])])
     table = markdown(["loop", "processes", "steps", "wall time (s)", "timed (s)", "samples/s", "speedup",
                       "efficiency"], table_rows)
     table += (f"\n\nefficiency = samples/s({args.nproc}) / ({args.nproc} x samples/s(1)) = {eff:.3f} "
               f"(target >= {TARGET_SCALING_EFFICIENCY}: {'met' if out['meets_target'] else 'missed'}); "
               f"median of {args.repeats} interleaved repeats"
               + (f"; a bare DDP loop (same model, batches, clipping, AdamW; no trainer) reaches "
-                 f"{out['bare_efficiency']:.3f}" if args.bare else "") + f"\ntimed: {out['timed']}")
+                 f"{out['bare_efficiency']:.3f}, and {args.nproc} bare loops that do not communicate at all (the "
+                 f"ceiling on this machine, against the 1-process bare loop) {out['independent_efficiency']:.3f}"
+                 if args.bare else "") + f"\ntimed: {out['timed']}")
     finish(out, args, table)
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -941,7 +956,8 @@ def build_parser():
     s.add_argument("--repeats", type=int, default=3, help="interleaved repeats (1, N, 1, N, ...)")
     s.add_argument("--seed", type=int, default=DEFAULTS.seed)
     s.add_argument("--bare", type=int, default=1, choices=[0, 1],
-                   help="also time a bare DDP loop (same model, data, optimizer) at 1 and N processes")
+                   help="also time a bare DDP loop (same model, data, optimizer) at 1 and N processes, and N bare "
+                        "loops with no communication (the machine's ceiling)")
     s.set_defaults(fn=cmd_scaling)
 
     ld = sub.add_parser("loader", parents=[common], formatter_class=fmt,

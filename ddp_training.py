@@ -83,7 +83,7 @@ class TrainConfig:
     first_step_timeout: float = 0.0     # > dist_timeout: a longer wait for the first step (compilation, warm-up)
     find_unused_parameters: bool = False
     bucket_cap_mb: float = 25.0
-    static_graph: bool = False          # DDP static_graph: for models whose graph never changes
+    static_graph: Optional[bool] = None  # DDP static_graph; None = on for models that declare static_graph = True
     compile: bool = False               # torch.compile the model (before the DDP wrap)
     # evaluation and stopping
     val_interval: int = 0               # steps between validations; 0 = end of every epoch
@@ -183,6 +183,8 @@ class Block(nn.Module):
 
 
 class CausalLM(nn.Module):
+    static_graph = True  # every parameter takes part in every step: DDP may use static_graph
+
     def __init__(self, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int,
                  seq_len: int, dropout: float = 0.0):
         super().__init__()
@@ -477,6 +479,14 @@ def evaluate_model(model: nn.Module, loader, loss_fn: LossFn, device: torch.devi
     return {"loss": reduced[0] / n, "count": n, **{k: v / n for k, v in zip(names, reduced[2:])}}
 
 
+def use_static_graph(model: nn.Module, cfg: TrainConfig) -> bool:
+    """DDP static_graph as configured; by default on for a model that declares its graph never changes
+    (`static_graph = True`), unless the config expects unused parameters."""
+    if cfg.static_graph is not None:
+        return cfg.static_graph
+    return getattr(model, "static_graph", False) is True and not cfg.find_unused_parameters
+
+
 class DDPTrainer:
     """Trains any model whose `loss_fn(model, batch)` returns `(loss_sum, count)` or
     `(loss_sum, count, {name: sum})`; the logged and optimised loss is the global mean
@@ -549,11 +559,15 @@ class DDPTrainer:
             self.log.info("data: %s", self.data_info)
         trained = torch.compile(model) if cfg.compile else model  # shares the parameters of `model`
         if env.is_distributed:
+            static = use_static_graph(model, cfg)
+            self.log.info("DDP static_graph=%s", static)
+            self.static_graph = static
             self.model = DDP(trained, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
-                             find_unused_parameters=cfg.find_unused_parameters, static_graph=cfg.static_graph,
+                             find_unused_parameters=cfg.find_unused_parameters, static_graph=static,
                              gradient_as_bucket_view=True, bucket_cap_mb=cfg.bucket_cap_mb)
         else:
             self.model = trained
+            self.static_graph = False
 
         pin = cfg.pin_memory and env.device.type == "cuda"
         loader = lambda ds, train: rt.build_dataloader(  # noqa: E731
@@ -597,6 +611,7 @@ class DDPTrainer:
         self._bar = None
         self.ckpt_dir = Path(cfg.checkpoint_dir)
         self.writer = rt.CheckpointWriter(cfg.async_checkpoint, self.log)
+        self.graph_recorded = False  # DDP has seen a complete backward
         self.state_step: Optional[int] = None  # the step of the newest resumable state this run saved
 
         self.global_step = 0
@@ -643,7 +658,10 @@ class DDPTrainer:
         """One micro-step. Non-final micro-steps accumulate locally; only the last all-reduces."""
         model = self.model
         batch = to_device(batch, self.env.device, self.non_blocking)
-        sync = contextlib.nullcontext() if last or not self.env.is_distributed else model.no_sync()
+        # static_graph records the graph in DDP's first backward, which must all-reduce: that step syncs
+        # every micro-step (averaging is linear, so the result is the same; it costs extra all-reduces once).
+        local = self.env.is_distributed and not last and not (self.static_graph and not self.graph_recorded)
+        sync = model.no_sync() if local else contextlib.nullcontext()
         with sync:
             with self._autocast():
                 out = self.loss_fn(model, batch)
@@ -1096,6 +1114,7 @@ class DDPTrainer:
                                          self.micro_splits, self.micro_splits)
                         micro = self._split_micro_batches(micro, 2)
                         r = self._train_step(micro, stop_signal)
+                    self.graph_recorded = True
                 except StepFailed:
                     raise
                 except Exception as exc:  # a peer died or hung: say which and where, then fail

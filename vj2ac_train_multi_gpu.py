@@ -72,6 +72,7 @@ class ACPredictor(nn.Module):
     predict(z [B, S, P, D], actions [B, S, A*C]) -> layer-normed predictions of z_1 .. z_S, one per input step.
     forward(embeddings [B, T, P, D], actions [B, T-1, A*C], rollout_horizon) -> per-sample (jloss, sloss).
     """
+    static_graph = True  # one block-causal pass serves teacher forcing and rollout: every parameter, every step
 
     def __init__(self, embed_dim, num_patches, action_dim, max_steps, predictor_dim, depth, num_heads, mlp_ratio=4):
         super().__init__()

@@ -76,6 +76,9 @@ def test_scaling():
             # timed_s covers `steps` steps of processes x batch samples each
             assert close(row["samples_per_s"] * row["timed_s"], row["steps"] * 4 * row["processes"])
         assert close(one["efficiency"], 1.0) and close(eff, two["efficiency"])
+    indep = out["independent_row"]
+    assert indep["processes"] == 2 and indep["steps"] == 3 and close(out["independent_efficiency"], indep["efficiency"])
+    assert close(indep["efficiency"], indep["samples_per_s"] / (2 * out["bare_rows"][0]["samples_per_s"]))
     assert out["meets_target"] == (out["efficiency"] >= out["target_efficiency"])
 
 

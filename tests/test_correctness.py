@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import TensorDataset
 
 import ddp_runtime as rt
-from ddp_training import IGNORE_INDEX, CausalLM, DDPTrainer, evaluate_model, lm_loss
+from ddp_training import IGNORE_INDEX, CausalLM, DDPTrainer, TrainConfig, evaluate_model, lm_loss, use_static_graph
 from dist_helpers import spawn
 
 RTOL = 1e-6              # fp32, summation order only
@@ -249,7 +249,7 @@ def _padded_datasets(seed: int = 1337):
     return TensorDataset(x, y), TensorDataset(xv, yv)
 
 
-PADDED = dict(LM, max_steps=PAD_STEPS, bucket_cap_mb=25.0)
+PADDED = dict(LM, max_steps=PAD_STEPS, bucket_cap_mb=25.0, static_graph=False)  # the other DDP mode
 
 
 def _run_trainer(rank: int, world_size: int, root: str, spec: dict) -> dict:
@@ -261,7 +261,7 @@ def _run_trainer(rank: int, world_size: int, root: str, spec: dict) -> dict:
         train_set, val_set = _padded_datasets(cfg.get("seed", 1337))
         kwargs = dict(model=_padded_model(), train_dataset=train_set, val_dataset=val_set)
     trainer = DDPTrainer(rank=rank, world_size=world_size, config=cfg, **kwargs)
-    rec = {"grads": [], "hook": [], "replica_errors": []}
+    rec = {"grads": [], "hook": [], "replica_errors": [], "static_graph": trainer.static_graph}
     # The gradients exactly as the optimizer receives them (after the trainer's normalisation).
     trainer.optimizer.register_step_pre_hook(lambda *_: rec["grads"].append(flat_grads(trainer.raw_model)))
     if world_size > 1:
@@ -396,9 +396,26 @@ def test_non_final_micro_steps_skip_the_all_reduce(runs):
     plain, accum = runs["lm_b4"][0]["hook"], runs["lm_b2_accum2"][0]["hook"]
     assert len(plain) == len(accum) == LM["max_steps"]
     assert max(b for _, _, b in plain) >= 2, "bucket_cap_mb too large: only one bucket, weak test"
-    for calls, lasts, buckets in accum:
+    # The LM runs with DDP static_graph, which records the graph in the first backward; that one must
+    # all-reduce, so step 1 reduces every micro-step (the same result, see assert_same_training).
+    assert runs["lm_b2_accum2"][0]["static_graph"]
+    calls, lasts, buckets = accum[0]
+    assert calls == 2 * buckets and lasts == 2, accum
+    for calls, lasts, buckets in accum[1:]:
         assert calls == buckets and lasts == 1, accum
-    assert [c for c, _, _ in accum] == [c for c, _, _ in plain]
+    # DDP rebuilds its buckets after its first backward passes; once it has, both runs reduce the same buckets
+    assert [c for c, _, _ in accum[2:]] == [c for c, _, _ in plain[2:]]
+
+
+@pytest.mark.multi
+def test_static_graph_default_and_override(runs):
+    """DDP static_graph is on for models that declare it (the LM), unless the config says otherwise."""
+    assert all(r["static_graph"] for r in runs["lm_b4"] + runs["lm_b2_accum2"])
+    assert not any(r["static_graph"] for r in runs["padded_b4"])  # static_graph=False in its config
+    lm, plain = CausalLM(64, 32, 1, 2, 16), torch.nn.Linear(2, 2)
+    assert use_static_graph(lm, TrainConfig()) and not use_static_graph(plain, TrainConfig())
+    assert not use_static_graph(lm, TrainConfig(find_unused_parameters=True))
+    assert use_static_graph(plain, TrainConfig(static_graph=True))
 
 
 def _padded_step1_batch():
