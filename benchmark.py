@@ -345,11 +345,11 @@ def scaling_run(args, nproc, run_dir, dataset_size):
     total = args.warmup + args.steps
     flags = dict(lm_config(args), batch_size=args.batch_size, dataset_size=dataset_size, max_steps=total,
                  seed=args.seed, save_interval=0, save_every_iters=0, val_interval=0, resume="none",
-                 log_dir=run_dir / "logs", checkpoint_dir=run_dir / "ckpt")
+                 log_dir=run_dir / "logs", checkpoint_dir=run_dir / "ckpt", **parse_settings(args.trainer_set))
     run_dir.mkdir(parents=True)
     cmd = [sys.executable, REPO / "ddp_training.py", "--cpu", "--nproc", nproc]
     for key, value in flags.items():
-        cmd += [f"--{key}", value]
+        cmd += [f"--{key}", "none" if value is None else str(value).lower() if isinstance(value, bool) else value]
     start = time.perf_counter()
     # A run that trained, validated and wrote its summary but then failed on the way out still timed its steps;
     # its exit status is kept in the figures (see BENCHMARKS.md: an abort at interpreter exit)
@@ -440,6 +440,7 @@ def cmd_scaling(args):
     out = {"command": "scaling", "env": environment(),
            "config": dict(lm_config(args), batch_size_per_process=args.batch_size, threads_per_process=args.threads,
                           nproc=args.nproc, warmup=args.warmup, steps=args.steps, repeats=args.repeats,
+                          trainer_set=parse_settings(args.trainer_set),
                           dataset_size=dataset_size, backend="gloo",
                           launcher="python ddp_training.py --cpu --nproc N (torch.multiprocessing spawn, free port)"),
            "timed": (f"steps {args.warmup + 1}..{total}: from the end of step {args.warmup} to the end of step {total} "
@@ -955,6 +956,8 @@ def build_parser():
     s.add_argument("--warmup", type=int, default=10, help="untimed steps at the start of each run")
     s.add_argument("--repeats", type=int, default=3, help="interleaved repeats (1, N, 1, N, ...)")
     s.add_argument("--seed", type=int, default=DEFAULTS.seed)
+    s.add_argument("--trainer_set", action="append", default=[], metavar="KEY=VALUE",
+                   help="change a trainer config key for the trainer runs (repeatable), e.g. static_graph=false")
     s.add_argument("--bare", type=int, default=1, choices=[0, 1],
                    help="also time a bare DDP loop (same model, data, optimizer) at 1 and N processes, and N bare "
                         "loops with no communication (the machine's ceiling)")
