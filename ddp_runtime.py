@@ -664,6 +664,15 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu", verify: bool = 
         raise CheckpointError(f"checkpoint {path} cannot be loaded safely: {exc}") from exc
 
 
+def remove_stale_temp_files(directory: str | os.PathLike, prefix: str) -> list:
+    """Delete the temp files (`.<prefix>_*.<pid>.tmp`) that a writer killed mid-write left behind; call
+    before this run writes anything there."""
+    stale = sorted(Path(directory).glob(f".{prefix}_*.tmp"))
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
+
+
 def keep_newest(paths: list, keep: int) -> list:
     """Delete all but the `keep` newest of `paths` (sorted oldest first), with their sidecars."""
     removed = paths[:-keep] if keep > 0 else []

@@ -1054,6 +1054,8 @@ class DDPTrainer:
             self._truncate_metrics()
             self._write_resolved_config()
             self._link_checkpoints()
+            for p in rt.remove_stale_temp_files(self.ckpt_dir, self.cfg.checkpoint_prefix):
+                self.log.warning("removed %s, left by a write that was cut short", p)
             self._metrics_file = open(self.metrics_path, "a")
             self._tb = self._open_tensorboard() if self.cfg.tensorboard else None
         clean = False

@@ -153,6 +153,21 @@ def test_a_failed_state_write_keeps_the_previous_one(tmp_path, no_launch_env, mo
     assert not list((tmp_path / "ckpt").glob(".*tmp"))
 
 
+def test_temp_files_of_a_killed_write_are_removed_and_ignored(tmp_path, no_launch_env):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    stale = [ckpt / ".model_state_step_15.pt.4242.tmp", ckpt / ".model_state_step_15.pt.sha256.4242.tmp"]
+    for p in stale:
+        p.write_bytes(b"cut short")
+    other = ckpt / ".notes.tmp"  # not ours: left alone
+    other.write_text("x")
+    summary = DDPTrainer(config=cfg_for(tmp_path, max_steps=5)).train()
+    assert summary["resumed_from"] is None and summary["steps"] == 5
+    assert not any(p.exists() for p in stale) and other.exists()
+    assert "model_state_step_15.pt.4242.tmp, left by a write that was cut short" in (
+        tmp_path / "logs" / "rank_0.log").read_text()
+
+
 # -- two processes -----------------------------------------------------------------------
 
 def _two_rank_run(rank, world_size, root, stop_rank, stop_at, extra):
