@@ -752,12 +752,17 @@ class CheckpointWriter:
             self._memo = {}
             run_on_rank0(self._wait, what="a background checkpoint write")
 
-    def close(self) -> Optional[Exception]:
+    def close(self, timeout_s: Optional[float] = None) -> Optional[Exception]:
         """Finish pending writes on this rank without talking to the others (for a failing run,
-        whose peers may be gone); returns the first write error instead of raising it."""
+        whose peers may be gone); returns the first write error instead of raising it. A write still
+        running after `timeout_s` (a hung filesystem) is abandoned: its temp file never replaces anything."""
         if self._thread is not None:
             self._jobs.put(None)
-            self._thread.join()
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                self.log.error("a checkpoint write did not finish within %g s; leaving it (the previous "
+                               "files are intact)", timeout_s)
+                return CheckpointError(f"a checkpoint write did not finish within {timeout_s:g} s")
             self._thread = None
         self._memo = {}
         return self._error

@@ -1069,7 +1069,7 @@ class DDPTrainer:
                 rt.write_failure_marker(self.cfg.log_dir, self.env.rank, self.global_step + 1, exc)
             raise
         finally:
-            self.writer.close()  # a failing run still completes the writes it started (errors are logged)
+            self.writer.close(self.cfg.dist_timeout)  # a failing run still completes the writes it started
             stop_signal.restore()
             if self._bar is not None:
                 self._bar.close()

@@ -258,6 +258,17 @@ def test_background_writer_saves_the_values_of_the_moment_it_was_called(tmp_path
     assert writer.close() is None
 
 
+def test_background_writer_gives_up_on_a_write_that_hangs(tmp_path, monkeypatch):
+    release = threading.Event()
+    monkeypatch.setattr(rt, "atomic_save", lambda obj, path: release.wait(30))
+    writer = rt.CheckpointWriter(background=True)
+    writer.save({"w": torch.ones(2)}, tmp_path / "a.pt", group=1)
+    error = writer.close(timeout_s=0.5)
+    release.set()
+    assert isinstance(error, rt.CheckpointError) and str(error) == "a checkpoint write did not finish within 0.5 s"
+    assert not (tmp_path / "a.pt").exists()
+
+
 def test_failed_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
     path = rt.atomic_save({"v": torch.ones(3)}, tmp_path / "c.pt")
     real_save = torch.save
