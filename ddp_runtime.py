@@ -704,7 +704,8 @@ def host_snapshot(obj: Any, memo: Optional[dict] = None) -> Any:
     if isinstance(obj, dict):
         return type(obj)((k, host_snapshot(v, memo)) for k, v in obj.items())
     if isinstance(obj, (list, tuple)):
-        return type(obj)(host_snapshot(v, memo) for v in obj)
+        items = [host_snapshot(v, memo) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)  # namedtuples take fields
     return obj
 
 
