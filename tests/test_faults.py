@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import ddp_runtime as rt
-from conftest import clean_env, torchrun, torchrun_workers, wait_for_step
+from conftest import Indices, clean_env, torchrun, torchrun_workers, wait_for_step
 from dist_helpers import spawn
 from ddp_training import CausalLM, DDPTrainer, TrainConfig, lm_loss, synthetic_lm_data
 
@@ -183,22 +183,11 @@ def test_unused_parameters_fail_at_the_first_step_with_names_and_the_flag(tmp_pa
     assert spawn(_unused, 2, str(tmp_path / "b"), True) == ["completed", "completed"]
 
 
-class Numbers(torch.utils.data.Dataset):
-    def __init__(self, n):
-        self.n = n
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        return torch.tensor([float(i)])
-
-
 def _uneven(rank, world_size):
     rt.setup_distributed(rank, world_size, device="cpu")
     try:
-        train = rt.build_dataloader(Numbers(101), 10, train=True, rank=rank, world_size=world_size, seed=0)
-        val = rt.build_dataloader(Numbers(101), 10, train=False, rank=rank, world_size=world_size, seed=0)
+        train = rt.build_dataloader(Indices(101), 10, train=True, rank=rank, world_size=world_size, seed=0)
+        val = rt.build_dataloader(Indices(101), 10, train=False, rank=rank, world_size=world_size, seed=0)
         from ddp_training import evaluate_model
         model = nn.Identity()
         res = evaluate_model(model, val, lambda m, b: (m(b).sum(), len(b)), torch.device("cpu"))

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import ddp_runtime as rt
+from conftest import Indices
 from dist_helpers import spawn
 
 
@@ -105,20 +106,9 @@ def test_memory_limit_counts_anonymous_memory_not_mapped_file_pages(tmp_path):
 
 # -- data loaders ---------------------------------------------------------------
 
-class Range(torch.utils.data.Dataset):
-    def __init__(self, n):
-        self.n = n
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        return torch.tensor(i)
-
-
 def test_loader_does_not_touch_global_rng_and_drops_last():
     state = torch.get_rng_state()
-    loaders = [rt.build_dataloader(Range(103), 5, train=True, rank=r, world_size=2, seed=3) for r in (0, 1)]
+    loaders = [rt.build_dataloader(Indices(103), 5, train=True, rank=r, world_size=2, seed=3) for r in (0, 1)]
     assert torch.equal(state, torch.get_rng_state())
     batches = [[b.tolist() for b in ld] for ld in loaders]
     assert len(batches[0]) == len(batches[1]) == 51 // 5  # equal step counts on both ranks
@@ -128,30 +118,30 @@ def test_loader_does_not_touch_global_rng_and_drops_last():
 
 
 def test_distributed_and_single_process_loaders_give_the_same_global_batches():
-    two = [list(rt.build_dataloader(Range(64), 4, train=True, rank=r, world_size=2, seed=7)) for r in (0, 1)]
-    one = list(rt.build_dataloader(Range(64), 8, train=True, rank=0, world_size=1, seed=7))
+    two = [list(rt.build_dataloader(Indices(64), 4, train=True, rank=r, world_size=2, seed=7)) for r in (0, 1)]
+    one = list(rt.build_dataloader(Indices(64), 8, train=True, rank=0, world_size=1, seed=7))
     for step, big in enumerate(one):
         assert sorted(big.tolist()) == sorted(two[0][step].tolist() + two[1][step].tolist())
 
 
 def test_eval_shards_cover_every_sample_once():
-    loaders = [rt.build_dataloader(Range(11), 4, train=False, rank=r, world_size=3, seed=0) for r in range(3)]
+    loaders = [rt.build_dataloader(Indices(11), 4, train=False, rank=r, world_size=3, seed=0) for r in range(3)]
     seen = sorted(i for ld in loaders for b in ld for i in b.tolist())
     assert seen == list(range(11))
 
 
 def test_workers_are_capped_and_configured():
-    ld = rt.build_dataloader(Range(40), 4, train=True, rank=0, world_size=1, seed=0, num_workers=64,
+    ld = rt.build_dataloader(Indices(40), 4, train=True, rank=0, world_size=1, seed=0, num_workers=64,
                              timeout_s=30)
     assert 1 <= ld.num_workers <= rt.cpu_count()
     assert ld.persistent_workers and ld.timeout == 30 and ld.prefetch_factor == 2
     assert sorted(i for b in ld for i in b.tolist()) == list(range(40))
-    ld0 = rt.build_dataloader(Range(40), 4, train=True, rank=0, world_size=1, seed=0, num_workers=0)
+    ld0 = rt.build_dataloader(Indices(40), 4, train=True, rank=0, world_size=1, seed=0, num_workers=0)
     assert ld0.timeout == 0 and not ld0.persistent_workers
 
 
 def test_resumable_sampler_skips_the_consumed_part_once():
-    s = rt.ResumableDistributedSampler(Range(20), num_replicas=2, rank=1, shuffle=True, seed=1, drop_last=True)
+    s = rt.ResumableDistributedSampler(Indices(20), num_replicas=2, rank=1, shuffle=True, seed=1, drop_last=True)
     full = list(s)
     s.set_start_index(4)
     assert list(s) == full[4:] and list(s) == full
@@ -159,7 +149,7 @@ def test_resumable_sampler_skips_the_consumed_part_once():
 
 def test_too_small_training_set_is_a_clear_error():
     with pytest.raises(ValueError, match="fewer than batch_size"):
-        rt.build_dataloader(Range(6), 4, train=True, rank=0, world_size=2, seed=0)
+        rt.build_dataloader(Indices(6), 4, train=True, rank=0, world_size=2, seed=0)
 
 
 # -- collectives on real processes ---------------------------------------------------
