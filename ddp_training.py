@@ -333,8 +333,10 @@ def load_tokens(path: Path) -> tuple[np.ndarray, int]:
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
             raise ValueError(f"--data {path}: expected a 1-D integer array of token ids, "
                              f"got shape {tokens.shape} dtype {tokens.dtype}")
-        top = max(int(tokens[i:i + 1 << 24].max()) for i in range(0, len(tokens), 1 << 24))
-        low = min(int(tokens[i:i + 1 << 24].min()) for i in range(0, len(tokens), 1 << 24))
+        top = low = 0
+        for i in range(0, len(tokens), 1 << 24):  # chunks of the map: memory stays flat for any file size
+            chunk = tokens[i:i + (1 << 24)]
+            top, low = max(top, int(chunk.max())), min(low, int(chunk.min()))
         if low < 0:
             raise ValueError(f"--data {path}: token ids must be >= 0, found {low}")
         return tokens, top + 1
@@ -611,7 +613,8 @@ class DDPTrainer:
         self._bar = None
         self.ckpt_dir = Path(cfg.checkpoint_dir)
         self.writer = rt.CheckpointWriter(cfg.async_checkpoint, self.log)
-        self.graph_recorded = False  # DDP has seen a complete backward
+        self.stepped = False  # this process completed a step (DDP has seen a whole backward)
+        self._metrics_file = None
         self.state_step: Optional[int] = None  # the step of the newest resumable state this run saved
 
         self.global_step = 0
@@ -660,7 +663,7 @@ class DDPTrainer:
         batch = to_device(batch, self.env.device, self.non_blocking)
         # static_graph records the graph in DDP's first backward, which must all-reduce: that step syncs
         # every micro-step (averaging is linear, so the result is the same; it costs extra all-reduces once).
-        local = self.env.is_distributed and not last and not (self.static_graph and not self.graph_recorded)
+        local = self.env.is_distributed and not last and not (self.static_graph and not self.stepped)
         sync = model.no_sync() if local else contextlib.nullcontext()
         with sync:
             with self._autocast():
@@ -1048,18 +1051,9 @@ class DDPTrainer:
         """Run to max_steps/num_epochs, early stop, or an agreed stop signal; returns a summary."""
         stop_signal = rt.StopSignal().install()
         (Path(self.cfg.log_dir) / f"FAILED_rank_{self.env.rank}").unlink(missing_ok=True)  # a previous run's
-        if self.env.is_main:
-            Path(self.cfg.log_dir).mkdir(parents=True, exist_ok=True)
-            (Path(self.cfg.log_dir) / "PREEMPTED").unlink(missing_ok=True)
-            self._truncate_metrics()
-            self._write_resolved_config()
-            self._link_checkpoints()
-            for p in rt.remove_stale_temp_files(self.ckpt_dir, self.cfg.checkpoint_prefix):
-                self.log.warning("removed %s, left by a write that was cut short", p)
-            self._metrics_file = open(self.metrics_path, "a")
-            self._tb = self._open_tensorboard() if self.cfg.tensorboard else None
         clean = False
         try:
+            rt.run_on_rank0(self._prepare_run_dir, what="preparing the run directory")
             status = self._loop(stop_signal)
             summary = self._finish(status)
             clean = True
@@ -1073,13 +1067,25 @@ class DDPTrainer:
             stop_signal.restore()
             if self._bar is not None:
                 self._bar.close()
-            if self.env.is_main:
+            if self._metrics_file is not None:
                 self._metrics_file.close()
-                if self._tb is not None:
-                    self._tb.close()
+            if self._tb is not None:
+                self._tb.close()
             rt.teardown_distributed(synchronize=clean)
             rt.close_logger(self.log)
         return summary
+
+    def _prepare_run_dir(self) -> None:
+        """Rank 0: the run dir, its resolved config and metrics file, before the first step."""
+        Path(self.cfg.log_dir).mkdir(parents=True, exist_ok=True)
+        (Path(self.cfg.log_dir) / "PREEMPTED").unlink(missing_ok=True)
+        self._truncate_metrics()
+        self._write_resolved_config()
+        self._link_checkpoints()
+        for p in rt.remove_stale_temp_files(self.ckpt_dir, self.cfg.checkpoint_prefix):
+            self.log.warning("removed %s, left by a write that was cut short", p)
+        self._tb = self._open_tensorboard() if self.cfg.tensorboard else None
+        self._metrics_file = open(self.metrics_path, "a")
 
     def _loop(self, stop_signal: rt.StopSignal) -> str:
         cfg = self.cfg
@@ -1106,6 +1112,7 @@ class DDPTrainer:
                 except StopIteration:  # a stream ran dry; dispatch tells every rank at once
                     break
                 step_t = time.time()
+                first = not self.stepped
                 try:
                     micro = self._split_micro_batches(micro, self.micro_splits)
                     r = self._train_step(micro, stop_signal)
@@ -1116,12 +1123,12 @@ class DDPTrainer:
                                          self.micro_splits, self.micro_splits)
                         micro = self._split_micro_batches(micro, 2)
                         r = self._train_step(micro, stop_signal)
-                    self.graph_recorded = True
+                    self.stepped = True
                 except StepFailed:
                     raise
                 except Exception as exc:  # a peer died or hung: say which and where, then fail
                     raise self._explain_failure(exc) from exc
-                if self.global_step == 0 and cfg.first_step_timeout > cfg.dist_timeout:
+                if first and cfg.first_step_timeout > cfg.dist_timeout:  # also the first step after a resume
                     rt.set_collective_timeout(cfg.dist_timeout)
                 self.global_step += 1
                 self.step_in_epoch = i + 1
