@@ -1337,8 +1337,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
         flags = [f"--{f.name}"] + ALIASES.get(f.name, [])
+        switch = dict(nargs="?", const=True) if hints[f.name] is bool else {}  # a bare --debug means true
         p.add_argument(*flags, dest=f.name, type=_field_parser(hints[f.name]), default=argparse.SUPPRESS,
-                       metavar=f.name.upper(), help=f"(default: {f.default})")
+                       metavar=f.name.upper(), help=f"(default: {f.default})", **switch)
     return p
 
 

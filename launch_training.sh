@@ -16,7 +16,7 @@ Usage: ./launch_training.sh [OPTIONS] [-- SCRIPT_ARGS...]
       --cpu                 train on the CPU with gloo (also the fallback when no GPU is found)
       --nproc N             processes on the CPU (default 2)
       --test                quick run: tiny model, few steps
-      --debug               verbose logs from every rank, TORCH_DISTRIBUTED_DEBUG=DETAIL,
+      --debug               verbose logs from every rank, TORCH_DISTRIBUTED_DEBUG=INFO,
                             NCCL_DEBUG=INFO, CUDA_LAUNCH_BLOCKING=1
       --script FILE         training script (default ddp_training.py; e.g. vj2ac_train_multi_gpu.py)
       --nnodes N            number of nodes (default 1: torchrun --standalone)
@@ -128,7 +128,9 @@ args=("${device_args[@]}")
 (( test_mode )) && args+=(--test)
 if (( debug )); then
     args+=(--debug)
-    export TORCH_DISTRIBUTED_DEBUG=DETAIL NCCL_DEBUG=INFO CUDA_LAUNCH_BLOCKING=1
+    # INFO, not DETAIL: with torch 2.13 DETAIL makes DDP's constructor segfault (seen with gloo, even for a
+    # bare nn.Linear); a value already in the environment wins.
+    export TORCH_DISTRIBUTED_DEBUG="${TORCH_DISTRIBUTED_DEBUG:-INFO}" NCCL_DEBUG=INFO CUDA_LAUNCH_BLOCKING=1
 fi
 args+=("${script_args[@]+"${script_args[@]}"}")
 

@@ -229,11 +229,12 @@ def test_nproc_spawns_two_ranks_without_torchrun(tmp_path):
 def test_launcher_cpu_test_end_to_end(tmp_path):
     env = clean_env(PYTHON=sys.executable, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     t0 = time.time()
-    r = run(["bash", REPO / "launch_training.sh", "--cpu", "--test", "--script", REPO / "ddp_training.py",
-             "-l", "logs", "-c", "ckpt"], cwd=tmp_path, timeout=120, env=env)
+    r = run(["bash", REPO / "launch_training.sh", "--cpu", "--test", "--debug", "--script",
+             REPO / "ddp_training.py", "-l", "logs", "-c", "ckpt"], cwd=tmp_path, timeout=120, env=env)
     assert time.time() - t0 < 120
     check_two_rank_run(tmp_path, r)
     assert "--nproc_per_node 2" in r.stdout
+    assert "[RANK 1] DEBUG" in r.stdout  # --debug reached the script: every rank logs to the console
 
 
 def test_launcher_syntax_help_and_errors(tmp_path):
