@@ -131,9 +131,22 @@ class TrainConfig:
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"config key {key!r} must be one of {allowed}, got {getattr(self, key)!r}")
-        for key in ("batch_size", "grad_accum_steps", "seq_len", "hidden_size", "num_layers", "num_heads"):
+        for key in ("batch_size", "grad_accum_steps", "seq_len", "hidden_size", "num_layers", "num_heads",
+                    "log_interval", "max_bad_steps"):
             if getattr(self, key) < 1:
                 raise ValueError(f"config key {key!r} must be >= 1, got {getattr(self, key)}")
+        for key in ("num_epochs", "max_steps", "warmup_steps", "num_workers", "val_interval", "patience",
+                    "save_interval", "save_every_iters", "keep_states", "memory_check_interval", "cleanup_interval",
+                    "max_errors_per_epoch", "weight_decay", "grad_clip", "min_delta", "first_step_timeout",
+                    "dropout"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"config key {key!r} must be >= 0, got {getattr(self, key)}")
+        for key in ("learning_rate", "bucket_cap_mb"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"config key {key!r} must be > 0, got {getattr(self, key)}")
+        for key in ("val_fraction", "test_fraction"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ValueError(f"config key {key!r} must be in [0, 1), got {getattr(self, key)}")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}")
         if self.num_epochs < 1 and self.max_steps < 1:

@@ -276,6 +276,13 @@ def parse_args(argv=None):
     for flag in ("batch_size", "rollout_horizon", "depth", "num_heads", "predictor_dim", "grad_accum_steps"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    for flag in ("max_steps", "num_epochs", "warmup_steps", "num_workers", "val_every_iters", "save_every_iters",
+                 "save_every_epochs", "weight_decay"):
+        if getattr(args, flag) < 0:
+            parser.error(f"--{flag} must be >= 0, got {getattr(args, flag)}")
+    for flag in ("lr", "dist_timeout"):
+        if not getattr(args, flag) > 0:
+            parser.error(f"--{flag} must be > 0, got {getattr(args, flag)}")
     if args.predictor_dim % args.num_heads:
         parser.error(f"--predictor_dim {args.predictor_dim} must be divisible by --num_heads {args.num_heads}")
     return args

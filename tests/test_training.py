@@ -188,6 +188,9 @@ def test_cli_precedence_defaults_yaml_flags(tmp_path):
     (["--use_amp", "maybe"], "expected true/false"),
     (["--config", "{yaml}"], "unknown config key 'bogus_key'"),
     (["--lr_schedule", "linear"], "'lr_schedule' must be one of"),
+    (["--max_steps", "-3"], "'max_steps' must be >= 0, got -3"),
+    (["--lr", "0"], "'learning_rate' must be > 0, got 0.0"),
+    (["--val_fraction", "1.5"], "'val_fraction' must be in [0, 1)"),
 ])
 def test_cli_bad_input_exits_2_with_a_clear_message(tmp_path, argv, message):
     (tmp_path / "bad.yaml").write_text("bogus_key: 1\n")

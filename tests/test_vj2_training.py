@@ -165,6 +165,10 @@ def test_cli_presets_test_mode_and_trainer_config(no_launch_env):
      "nccl needs CUDA"),
     (["--processed_data_dir", "t", "--validation_data_dir", "v", "--predictor_dim", "30", "--num_heads", "4"],
      "divisible"),
+    (["--processed_data_dir", "t", "--validation_data_dir", "v", "--max_steps", "-3"], "--max_steps must be >= 0"),
+    (["--processed_data_dir", "t", "--validation_data_dir", "v", "--lr", "-1"], "--lr must be > 0"),
+    (["--processed_data_dir", "t", "--validation_data_dir", "v", "--save_every_iters", "-1"],
+     "--save_every_iters must be >= 0"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
