@@ -16,6 +16,7 @@ share one encoder and differ only in their trajectories.
 import argparse
 import math
 import os
+import sys
 import zipfile
 from pathlib import Path
 
@@ -173,11 +174,11 @@ def write_file(path, world, rng, n, steps, actions_per_step, channels, dtype, co
 
 def check_geometry(steps, patches, embed_dim, actions_per_step, channels):
     if steps < 2:
-        raise ValueError(f"num_steps must be >= 2 (actions live between steps), got {steps}")
+        raise ValueError(f"--num_steps must be >= 2 (actions live between steps), got {steps}")
     if channels < 3:
-        raise ValueError(f"action_channels must be >= 3 for [x, y, touch], got {channels}")
+        raise ValueError(f"--action_channels must be >= 3 for [x, y, touch], got {channels}")
     if min(patches, embed_dim, actions_per_step) < 1:
-        raise ValueError(f"patches, embed_dim and actions_per_step must be >= 1, "
+        raise ValueError(f"--patches, --embed_dim and --actions_per_step must be >= 1, "
                          f"got {patches}, {embed_dim}, {actions_per_step}")
 
 
@@ -195,6 +196,12 @@ def generate(output_dir, num_files=3, trajectories_per_file=10, seed=0,
     """
     check_geometry(steps, patches, embed_dim, actions_per_step, channels)
     output_dir = Path(output_dir)
+    names = {f"{split}_{index:05d}.npz" for index in range(num_files)}
+    others = sorted(p.name for p in output_dir.glob(f"{split}_*.npz") if p.name not in names)
+    if others:  # the loader reads every .npz in the directory: a smaller set would silently be mixed in
+        raise ValueError(f"{output_dir} already holds {len(others)} other {split} files ({', '.join(others[:3])}"
+                         f"{', ...' if len(others) > 3 else ''}) that a loader would read too; remove them or "
+                         f"choose another --output_dir")
     output_dir.mkdir(parents=True, exist_ok=True)
     world = World(patches, embed_dim, world_seed)
     paths = []
@@ -245,7 +252,18 @@ def parse_args(argv=None):
     p.add_argument("--val_fraction", type=float, default=0.0,
                    help="also write a validation set of this size relative to the training set")
     p.add_argument("--val_output_dir", help="where the validation set goes (default <output_dir>_val)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for flag in ("num_files", "trajectories_per_file"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    for flag in ("noise", "val_fraction"):
+        if getattr(args, flag) < 0:
+            p.error(f"--{flag} must be >= 0, got {getattr(args, flag)}")
+    try:
+        check_geometry(*resolve_geometry(args).values())
+    except ValueError as exc:
+        p.error(str(exc))
+    return args
 
 
 def resolve_geometry(args):
@@ -264,13 +282,18 @@ def main(argv=None):
     geometry = resolve_geometry(args)
     common = dict(seed=args.seed, dtype=args.dtype, compress=args.compress, noise=args.noise,
                   world_seed=args.world_seed, save_states=args.save_states, verbose=True, **geometry)
-    generate(args.output_dir, args.num_files, args.trajectories_per_file, split="train", **common)
-    if args.val_fraction > 0:
-        out = Path(args.output_dir)
-        val_dir = args.val_output_dir or out.with_name(out.name + "_val")
-        files, per_file = val_split(args.num_files, args.trajectories_per_file, args.val_fraction)
-        generate(val_dir, files, per_file, split="val", **common)
+    try:
+        generate(args.output_dir, args.num_files, args.trajectories_per_file, split="train", **common)
+        if args.val_fraction > 0:
+            out = Path(args.output_dir).resolve()  # "." has no name of its own
+            val_dir = args.val_output_dir or out.with_name(out.name + "_val")
+            files, per_file = val_split(args.num_files, args.trajectories_per_file, args.val_fraction)
+            generate(val_dir, files, per_file, split="val", **common)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -51,6 +51,25 @@ def test_generator_float32_and_compressed(tmp_path):
     assert validate_npz(path).dtypes == {"embeddings": "float32", "actions": "float32"}
 
 
+def test_cli_current_dir_bad_flags_and_leftover_files(tmp_path, monkeypatch, capsys):
+    (tmp_path / "data").mkdir()
+    monkeypatch.chdir(tmp_path / "data")
+    small = ["--num_files", "2", "--trajectories_per_file", "2", "--num_steps", "3", "--patches", "2",
+             "--embed_dim", "4", "--actions_per_step", "2"]
+    assert gen.main(["--output_dir", ".", *small, "--val_fraction", "0.5"]) == 0
+    assert sorted(p.name for p in (tmp_path / "data").glob("*.npz")) == ["train_00000.npz", "train_00001.npz"]
+    assert [p.name for p in (tmp_path / "data_val").glob("*.npz")] == ["val_00000.npz"]
+    # a smaller set into the same directory would be read together with the old files
+    assert gen.main(["--output_dir", ".", *small[2:], "--num_files", "1"]) == 2
+    assert "already holds 1 other train files (train_00001.npz)" in capsys.readouterr().err
+    for argv, message in [(["--trajectories_per_file", "0"], "--trajectories_per_file must be >= 1"),
+                          (["--noise", "-1"], "--noise must be >= 0"),
+                          (["--num_steps", "1"], "--num_steps must be >= 2")]:
+        with pytest.raises(SystemExit) as exc:
+            gen.main(["--output_dir", "x", *argv])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_cli_real_shapes_and_validation_set(tmp_path, capsys):
     out = tmp_path / "real"
     gen.main(["--output_dir", str(out), "--real_shapes", "--num_files", "1", "--trajectories_per_file", "1",
