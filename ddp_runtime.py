@@ -183,7 +183,8 @@ def write_failure_marker(log_dir, rank: int, step: int, exc: BaseException) -> N
     (Path(log_dir) / f"FAILED_rank_{rank}").write_text(json.dumps(record) + "\n")
 
 
-def read_failure_markers(log_dir, exclude: int, wait_s: float) -> list:
+def read_failure_markers(log_dir, exclude: int, wait_s: float, world_size: Optional[int] = None) -> list:
+    """The FAILED markers of the other ranks (those below world_size: a larger earlier run's are stale)."""
     deadline = time.time() + wait_s
     while True:
         found = []
@@ -192,7 +193,7 @@ def read_failure_markers(log_dir, exclude: int, wait_s: float) -> list:
                 rec = json.loads(p.read_text())
             except (OSError, json.JSONDecodeError):
                 continue  # being written right now
-            if rec.get("rank") != exclude:
+            if rec.get("rank") != exclude and (world_size is None or rec.get("rank", 0) < world_size):
                 found.append(rec)
         if found or time.time() >= deadline:
             return found

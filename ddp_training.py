@@ -426,6 +426,10 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: floa
 LossFn = Callable[[nn.Module, Any], tuple]
 
 
+class StateMismatch(ValueError):
+    """A resumable state of a run with another world size, batch size, seed, ..."""
+
+
 class StepFailed(RuntimeError):
     """A step failed on some rank; raised on every rank with every rank's error."""
 
@@ -852,7 +856,8 @@ class DDPTrainer:
         """A collective failed (peer exited or timed out): name the rank and its error where
         it left a FAILED marker, or the rank that did not answer a monitored barrier."""
         step = self.global_step + 1
-        peers = rt.read_failure_markers(self.cfg.log_dir, exclude=self.env.rank, wait_s=5.0)
+        peers = rt.read_failure_markers(self.cfg.log_dir, exclude=self.env.rank, wait_s=5.0,
+                                        world_size=self.env.world_size)
         if peers:
             text = f"step {step}: " + "; ".join(f"rank {p['rank']} failed: {p['error']}" for p in peers)
         elif "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
@@ -925,9 +930,7 @@ class DDPTrainer:
                  "scaler": self.scaler.state_dict() if self.scaler else None,
                  "counters": {k: getattr(self, k) for k in self.STATE_COUNTERS},
                  "rng": per_rank_rng,
-                 "run": {"world_size": self.env.world_size, "batch_size": cfg.batch_size,
-                         "grad_accum_steps": cfg.grad_accum_steps, "seed": cfg.seed,
-                         "train_samples": self._train_samples()}}
+                 "run": self._run_signature()}
         path = self.state_path(self.global_step)
         # Older states go only once the new one is complete.
         self.writer.save(state, path, group=self.global_step,
@@ -945,44 +948,59 @@ class DDPTrainer:
                       "consecutive_bad_steps", "skipped_steps", "last_val", "last_val_step")
 
     def _resume(self) -> Optional[Path]:
-        """Load the state `resume` points at (auto: the newest one that loads); every rank
-        must arrive at the same file."""
+        """Load the state `resume` points at (auto: the newest one that loads). Every rank must
+        arrive at the same file, and an error on any rank is an error on all of them."""
         mode = self.cfg.resume
         if mode == "none":
             return None
         explicit = mode != "auto"
         candidates = [Path(mode)] if explicit else list(reversed(self.state_files()))
-        chosen = None
+        fresh = rt.host_snapshot(self.raw_model.state_dict()) if candidates else None
+        chosen, error = None, None
         for path in candidates:
             try:
                 self._apply_state(rt.load_checkpoint(path, map_location=self.env.device), path)
                 chosen = path
                 break
-            except (rt.CheckpointError, RuntimeError, KeyError) as exc:
+            except StateMismatch as exc:  # a state of another run configuration: refused, never skipped
+                error = ("refused", str(exc))
+                break
+            except (rt.CheckpointError, RuntimeError, KeyError, ValueError) as exc:
+                self.raw_model.load_state_dict(fresh)  # a state that failed half-way leaves no trace
                 if explicit:
-                    raise rt.CheckpointError(f"--resume {path}: {exc}") from exc
+                    error = ("unreadable", f"--resume {path}: {exc}")
+                    break
                 self.log.warning("cannot resume from %s (%s); trying the previous state", path, exc)
-        everyone = rt.gather_objects(str(chosen))
-        if len(set(everyone)) != 1:
-            raise RuntimeError(f"ranks chose different states to resume from: {everyone}")
-        if chosen is not None:
-            self.state_step = self.global_step
+        everyone = rt.gather_objects((None if chosen is None else str(chosen), error))
+        distinct = {e for _, e in everyone if e}
+        if distinct:  # usually the same error on every rank; otherwise say which rank saw what
+            text = (next(iter(distinct))[1] if len(distinct) == 1 else
+                    "; ".join(f"rank {r}: {e[1]}" for r, (_, e) in enumerate(everyone) if e))
+            raise (ValueError if {kind for kind, _ in distinct} == {"refused"} else rt.CheckpointError)(text)
+        if len({c for c, _ in everyone}) != 1:
+            raise RuntimeError(f"ranks chose different states to resume from: {[c for c, _ in everyone]}")
         if chosen is None:
             self.log.info("no resumable state in %s: starting fresh", self.ckpt_dir)
-        else:
-            self.log.info("resumed from %s at step %d (epoch %d, %d steps into it)", chosen,
-                          self.global_step, self.epoch, self.step_in_epoch)
+            return None
+        self.state_step = self.global_step
+        self.log.info("resumed from %s at step %d (epoch %d, %d steps into it)", chosen,
+                      self.global_step, self.epoch, self.step_in_epoch)
         return chosen
 
+    def _run_signature(self) -> dict:
+        """What the sample order depends on: a state resumes only into a run with the same values."""
+        return {"world_size": self.env.world_size, "batch_size": self.cfg.batch_size,
+                "grad_accum_steps": self.cfg.grad_accum_steps, "seed": self.cfg.seed,
+                "train_samples": self._train_samples()}
+
     def _apply_state(self, state: dict, path: Path) -> None:
-        run = state["run"]
-        now = {"world_size": self.env.world_size, "batch_size": self.cfg.batch_size,
-               "grad_accum_steps": self.cfg.grad_accum_steps, "seed": self.cfg.seed,
-               "train_samples": self._train_samples()}
-        for key, value in now.items():
-            if run[key] != value:
-                # The sample order depends on all of these; continuing would not be the same run.
-                raise ValueError(f"{path} was written with {key}={run[key]}, this run has {key}={value}; "
+        missing = {"run", "model", "optimizer", "scheduler", "scaler", "counters", "rng"} - set(state)
+        if missing or len(state["rng"]) != self.env.world_size:
+            raise KeyError(f"{path} is not a resumable state of this run (missing {sorted(missing)} or "
+                           f"RNG streams for another number of ranks)")
+        for key, value in self._run_signature().items():
+            if state["run"][key] != value:
+                raise StateMismatch(f"{path} was written with {key}={state['run'][key]}, this run has {key}={value}; "
                                  f"resuming with a different {key} is refused (use --resume none to start "
                                  f"fresh, or the original setting)")
         self.raw_model.load_state_dict(state["model"])

@@ -116,6 +116,21 @@ def test_explicit_resume_path_that_fails_is_an_error(tmp_path, no_launch_env):
         DDPTrainer(config=cfg_for(tmp_path, resume=str(tmp_path / "nope.pt")))
 
 
+def test_a_state_that_fails_half_way_leaves_no_trace(tmp_path, no_launch_env):
+    """The newest state loads its weights, then its optimizer fails: the run starts fresh from the
+    initial weights, not from a mix."""
+    DDPTrainer(config=cfg_for(tmp_path, max_steps=5)).train()
+    path = tmp_path / "ckpt" / "model_state_step_5.pt"
+    state = rt.load_checkpoint(path)
+    state["optimizer"]["param_groups"] = []  # AdamW refuses it, after the model has loaded
+    rt.atomic_save(state, path)
+    resumed = DDPTrainer(config=cfg_for(tmp_path / "again", checkpoint_dir=str(tmp_path / "ckpt")))
+    fresh = DDPTrainer(config=cfg_for(tmp_path / "fresh"))
+    assert resumed.resumed_from is None and resumed.global_step == 0
+    assert_bit_identical(resumed.raw_model.state_dict(), fresh.raw_model.state_dict())
+    assert "cannot resume from" in (tmp_path / "again" / "logs" / "rank_0.log").read_text()
+
+
 def test_changed_batch_size_is_refused_clearly(tmp_path, no_launch_env):
     DDPTrainer(config=cfg_for(tmp_path), loss_fn=SignalAt(6)).train()
     with pytest.raises(ValueError, match="batch_size=16, this run has batch_size=8"):
