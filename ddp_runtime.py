@@ -294,9 +294,7 @@ def setup_logger(log_dir: str | os.PathLike, rank: int, debug: bool = False,
     """`rank_N.log` for every rank; console from rank 0 only (every rank with debug)."""
     Path(log_dir).mkdir(parents=True, exist_ok=True)
     logger = logging.getLogger(f"{name}.rank{rank}")
-    for h in list(logger.handlers):  # a second trainer in one process must not double lines
-        logger.removeHandler(h)
-        h.close()
+    close_logger(logger)  # a second trainer in one process must not double lines
     logger.setLevel(logging.DEBUG if debug else logging.INFO)
     logger.propagate = False
     fmt = logging.Formatter(f"%(asctime)s [RANK {rank}] %(levelname)s: %(message)s", "%Y-%m-%d %H:%M:%S")
@@ -452,15 +450,27 @@ def build_dataloader(dataset: Dataset, batch_size: int, *, train: bool, rank: in
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **kwargs)
 
 
+def map_tensors(fn, obj: Any, strict: bool = False) -> Any:
+    """`obj` with `fn` applied to every tensor in it (nested lists, tuples, namedtuples and dicts);
+    other leaves are kept as they are, or with `strict` are a TypeError."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        out = type(obj)((k, map_tensors(fn, v, strict)) for k, v in obj.items())
+        if hasattr(obj, "_metadata"):  # a state_dict's module versions
+            out._metadata = obj._metadata
+        return out
+    if isinstance(obj, (list, tuple)):
+        items = [map_tensors(fn, v, strict) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if strict:
+        raise TypeError(f"expected tensors (or lists, tuples, dicts of them), got {type(obj).__name__}")
+    return obj
+
+
 def split_batch(batch, part: int, parts: int):
     """Samples part, part+parts, ... of a batch (tensors, or lists/tuples/dicts of them)."""
-    if isinstance(batch, torch.Tensor):
-        return batch[part::parts]
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(split_batch(b, part, parts) for b in batch)
-    if isinstance(batch, dict):
-        return {k: split_batch(v, part, parts) for k, v in batch.items()}
-    raise TypeError(f"cannot split a batch of type {type(batch).__name__}")
+    return map_tensors(lambda t: t[part::parts], batch, strict=True)
 
 
 def batch_len(batch) -> int:
@@ -696,18 +706,14 @@ def host_snapshot(obj: Any, memo: Optional[dict] = None) -> Any:
     view of the same storage (tied weights) stay one tensor in the copy; pass one `memo` to share
     them across several payloads."""
     memo = {} if memo is None else memo
-    if isinstance(obj, torch.Tensor):
-        key = (obj.untyped_storage().data_ptr(), str(obj.device), obj.storage_offset(), tuple(obj.shape),
-               obj.stride(), obj.dtype)
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        key = (t.untyped_storage().data_ptr(), str(t.device), t.storage_offset(), tuple(t.shape), t.stride(),
+               t.dtype)
         if key not in memo:
-            memo[key] = obj.detach().to("cpu", copy=True)
+            memo[key] = t.detach().to("cpu", copy=True)
         return memo[key]
-    if isinstance(obj, dict):
-        return type(obj)((k, host_snapshot(v, memo)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)):
-        items = [host_snapshot(v, memo) for v in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)  # namedtuples take fields
-    return obj
+    return map_tensors(copy, obj)
 
 
 class CheckpointWriter:

@@ -459,13 +459,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 
 def to_device(batch, device: torch.device, non_blocking: bool):
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=non_blocking)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(b, device, non_blocking) for b in batch)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device, non_blocking) for k, v in batch.items()}
-    return batch
+    return rt.map_tensors(lambda t: t.to(device, non_blocking=non_blocking), batch)
 
 
 @torch.no_grad()
@@ -630,6 +624,7 @@ class DDPTrainer:
         self._bar = None
         self.ckpt_dir = Path(cfg.checkpoint_dir)
         self.writer = rt.CheckpointWriter(cfg.async_checkpoint, self.log)
+        self.mfu_per_unit = self._mfu_per_unit()
         self.stepped = False  # this process completed a step (DDP has seen a whole backward)
         self._metrics_file = None
         self.state_step: Optional[int] = None  # the step of the newest resumable state this run saved
@@ -842,8 +837,7 @@ class DDPTrainer:
         `save`, the weights (untouched by the failed step) go to <prefix>_interrupted.pt first."""
         reports = rt.gather_objects(mine)
         if save:
-            self.save_checkpoint("interrupted")
-            self.writer.flush()
+            self._save_last_good()
         lines = [f"rank {r}: {m}" for r, m in enumerate(reports) if m]
         text = f"step {self.global_step + 1} failed on " + "; ".join(lines)
         if any("parameters without gradients" in line for line in lines):
@@ -1215,6 +1209,11 @@ class DDPTrainer:
                 h.setLevel(logging.WARNING)
         return tqdm(total=self.total_steps, initial=self.global_step, unit="step", file=sys.stdout)
 
+    def _save_last_good(self) -> None:
+        """The weights before a failed step, on disk before the run raises."""
+        self.save_checkpoint("interrupted")
+        self.writer.flush()
+
     def _interrupt(self, stop_signal: rt.StopSignal) -> str:
         self.log.warning("stop signal received (%s on some rank): saving and exiting at step %d",
                          stop_signal.name or "another rank", self.global_step)
@@ -1229,7 +1228,7 @@ class DDPTrainer:
         cfg = self.cfg
         self.skipped_steps += r["skipped"]
         self.consecutive_bad_steps = self.consecutive_bad_steps + 1 if r["nonfinite"] else 0
-        mfu = self._mfu(r["count"] / step_time)
+        mfu = None if self.mfu_per_unit is None else self.mfu_per_unit * r["count"] / step_time
         record = {"type": "train", "step": self.global_step, "epoch": self.epoch, "loss": r["loss"],
                   **({"mfu": mfu} if mfu is not None else {}),
                   **r["extras"], "lr": self.scheduler.get_last_lr()[0], "grad_norm": r["grad_norm"],
@@ -1245,8 +1244,7 @@ class DDPTrainer:
                          "(%d in a row)", self.global_step, self.consecutive_bad_steps)
         if self.consecutive_bad_steps >= cfg.max_bad_steps:
             # Skipped steps left the weights untouched: these are the last good ones.
-            self.save_checkpoint("interrupted")
-            self.writer.flush()
+            self._save_last_good()
             raise FloatingPointError(f"{self.consecutive_bad_steps} consecutive non-finite steps "
                                      f"(max_bad_steps={cfg.max_bad_steps}) at step {self.global_step}; "
                                      f"last good weights saved to {self.checkpoint_path('interrupted')}")
@@ -1279,15 +1277,16 @@ class DDPTrainer:
     # Dense bf16 peak FLOP/s per GPU, for the model FLOPs utilisation (MFU) metric.
     PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
 
-    def _mfu(self, tokens_per_s: float) -> Optional[float]:
-        """Model FLOPs utilisation of this rank's GPU, for models that can count their FLOPs."""
+    def _mfu_per_unit(self) -> Optional[float]:
+        """Model FLOPs utilisation of one GPU per global token per second, for models that count
+        their FLOPs on a GPU whose peak we know; None otherwise."""
         if self.env.device.type != "cuda" or not hasattr(self.raw_model, "flops_per_token"):
             return None
         name = torch.cuda.get_device_name(self.env.device)
         peak = next((v for k, v in self.PEAK_BF16_FLOPS.items() if k in name), None)
         if peak is None:
             return None
-        return self.raw_model.flops_per_token() * tokens_per_s / self.env.world_size / peak
+        return self.raw_model.flops_per_token() / self.env.world_size / peak
 
     def _write_preempted_marker(self) -> None:
         marker = Path(self.cfg.log_dir) / "PREEMPTED"
@@ -1300,6 +1299,7 @@ class DDPTrainer:
         self.writer.flush()
         test = self.evaluate(self.test_loader) if self.test_loader is not None and status != "interrupted" else None
         wall = time.time() - self.t0
+        memory = self.memory.stats()
         summary = {"status": status, "steps": self.global_step,
                    "resumed_from": None if self.resumed_from is None else str(self.resumed_from), "epochs": self.epoch,
                    "final_val_loss": self.last_val,
@@ -1307,10 +1307,10 @@ class DDPTrainer:
                    "test_loss": None if test is None else test["loss"], "wall_time_s": round(wall, 3),
                    "samples_per_s": self.samples_seen / wall if wall > 0 else None,
                    "skipped_steps": self.skipped_steps, "world_size": self.env.world_size,
-                   "peak_rss_gb": self.memory.stats()["cpu_peak_rss_gb"],
-                   "peak_anon_gb": self.memory.stats()["cpu_peak_anon_gb"], **self.data_info}
+                   "peak_rss_gb": memory["cpu_peak_rss_gb"], "peak_anon_gb": memory["cpu_peak_anon_gb"],
+                   **self.data_info}
         if self.env.device.type == "cuda":
-            summary["cuda_peak_gb"] = self.memory.stats()["cuda_peak_gb"]
+            summary["cuda_peak_gb"] = memory["cuda_peak_gb"]
         self.write_metrics({"type": "summary", **summary})
         self.log.info("finished (%s): %s", status, json.dumps(summary))
         return summary

@@ -248,6 +248,15 @@ def test_background_writer_saves_the_values_of_the_moment_it_was_called(tmp_path
     assert writer.close() is None
 
 
+def test_host_snapshot_copies_tensors_and_keeps_state_dict_versions():
+    bn = torch.nn.BatchNorm1d(3)
+    sd = bn.state_dict()
+    snap = rt.host_snapshot(sd)
+    assert snap._metadata == sd._metadata and list(snap) == list(sd)
+    bn.running_mean.add_(1.0)
+    assert torch.equal(snap["running_mean"], torch.zeros(3)) and not torch.equal(sd["running_mean"], torch.zeros(3))
+
+
 def test_background_writer_gives_up_on_a_write_that_hangs(tmp_path, monkeypatch):
     release = threading.Event()
     monkeypatch.setattr(rt, "atomic_save", lambda obj, path: release.wait(30))
