@@ -5,9 +5,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from dist_helpers import spawn
-from ddp_training import DDPTrainer, TrainConfig, synthetic_lm_data
+from ddp_training import CausalLM, DDPTrainer, TrainConfig, synthetic_lm_data
 
 pytestmark = pytest.mark.multi
 
@@ -16,12 +17,32 @@ CFG = dict(hidden_size=32, num_layers=1, num_heads=2, seq_len=16, dataset_size=2
            save_every_iters=5, resume="none", device="cpu")
 
 
-def _train(rank, world_size, root, strategy, resume="none", stop_after=0):
-    cfg = {**CFG, "data_strategy": strategy, "resume": resume, "log_dir": str(Path(root) / "logs"),
+def only_rank_0_reads():
+    """Under dispatch no other rank may touch the data: prove it by failing if one does."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        raise RuntimeError(f"rank {dist.get_rank()} read the data set")
+
+
+class Rank0Only(torch.utils.data.Dataset):
+    def __init__(self, base):
+        self.base = base
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        only_rank_0_reads()
+        return self.base[i]
+
+
+def _train(rank, world_size, root, strategy):
+    cfg = {**CFG, "data_strategy": strategy, "log_dir": str(Path(root) / "logs"),
            "checkpoint_dir": str(Path(root) / "ckpt")}
-    if stop_after:
-        cfg["max_steps"] = stop_after
-    s = DDPTrainer(rank=rank, world_size=world_size, config=cfg).train()
+    data = synthetic_lm_data(TrainConfig.from_dict(CFG))
+    train = Rank0Only(data.train) if strategy == "dispatch" else data.train
+    torch.manual_seed(0)
+    s = DDPTrainer(rank=rank, world_size=world_size, config=cfg, model=CausalLM(64, 32, 1, 2, 16),
+                   train_dataset=train, val_dataset=data.val).train()
     return s["steps"], s["epochs"]
 
 
@@ -45,6 +66,7 @@ class Stream(torch.utils.data.IterableDataset):
         self.base, self.n = base, n
 
     def __iter__(self):
+        only_rank_0_reads()
         for i in range(self.n):
             yield self.base[i]
 
@@ -53,7 +75,6 @@ def _stream(rank, world_size, root):
     data = synthetic_lm_data(TrainConfig.from_dict(CFG))
     cfg = {**CFG, "data_strategy": "dispatch", "max_steps": 10, "save_every_iters": 0,
            "log_dir": str(Path(root) / "logs"), "checkpoint_dir": str(Path(root) / "ckpt")}
-    from ddp_training import CausalLM
     s = DDPTrainer(rank=rank, world_size=world_size, config=cfg, model=CausalLM(64, 32, 1, 2, 16),
                    train_dataset=Stream(data.train, 64), val_dataset=data.val).train()
     return s["status"], s["steps"], s["epochs"]
@@ -66,7 +87,6 @@ def test_a_stream_read_by_rank_0_ends_every_epoch_on_all_ranks_together(tmp_path
 
 def test_an_iterable_training_set_needs_dispatch(tmp_path, no_launch_env):
     data = synthetic_lm_data(TrainConfig.from_dict(CFG))
-    from ddp_training import CausalLM
     with pytest.raises(ValueError, match="data_strategy dispatch"):
         DDPTrainer(config={**CFG, "log_dir": str(tmp_path)}, model=CausalLM(64, 32, 1, 2, 16),
                    train_dataset=Stream(data.train, 64))

@@ -230,14 +230,16 @@ def test_a_stopped_rank_turns_into_a_timeout_error_on_the_others(tmp_path):
 
 class OutOfMemoryAbove:
     """lm_loss that runs out of memory on `rank` when a micro-batch has more than `limit` samples
-    (forward) or, with in_backward, at the first backward of the run."""
+    (forward) or, with in_backward, in the backward of training step `step`."""
 
-    def __init__(self, rank, my_rank, limit, in_backward=False):
+    def __init__(self, rank, my_rank, limit, in_backward=False, step=1):
         self.hit, self.limit, self.in_backward, self.fired = rank == my_rank, limit, in_backward, False
+        self.step, self.calls = step, 0
 
     def __call__(self, model, batch):
         s, c = lm_loss(model, batch)
-        if self.hit and model.training and len(batch[0]) > self.limit:
+        self.calls += model.training
+        if self.hit and model.training and len(batch[0]) > self.limit and self.calls >= self.step:
             if not self.in_backward:
                 raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
             if not self.fired:
@@ -246,10 +248,10 @@ class OutOfMemoryAbove:
         return s, c
 
 
-def _oom(rank, world_size, root, limit, in_backward):
+def _oom(rank, world_size, root, limit, in_backward, step=1, extra=None):
     try:
-        s = DDPTrainer(rank=rank, world_size=world_size, config=cfg_for(root),
-                       loss_fn=OutOfMemoryAbove(1, rank, limit, in_backward)).train()
+        s = DDPTrainer(rank=rank, world_size=world_size, config=cfg_for(root, **(extra or {})),
+                       loss_fn=OutOfMemoryAbove(1, rank, limit, in_backward, step)).train()
         return {"status": s["status"], "steps": s["steps"]}
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
@@ -271,9 +273,14 @@ def test_out_of_memory_in_forward_splits_micro_batches_on_every_rank(tmp_path):
 
 
 def test_out_of_memory_in_backward_stops_with_a_checkpoint(tmp_path):
-    for r in spawn(_oom, 2, str(tmp_path), 4, True):
-        assert r["error"].startswith("StepFailed: step 1 failed on rank 1: OutOfMemoryError in backward")
-    assert torch.load(tmp_path / "ckpt" / "model_interrupted.pt", weights_only=True)["global_step"] == 0
+    for r in spawn(_oom, 2, str(tmp_path / "oom"), 4, True, 3):
+        assert r["error"].startswith("StepFailed: step 3 failed on rank 1: OutOfMemoryError in backward")
+    saved = torch.load(tmp_path / "oom" / "ckpt" / "model_interrupted.pt", weights_only=True)
+    # the weights after the two good steps, as a run that stops there has them
+    spawn(_oom, 2, str(tmp_path / "two"), 10 ** 9, False, 1, {"max_steps": 2})
+    reference = torch.load(tmp_path / "two" / "ckpt" / "model_final.pt", weights_only=True)
+    assert saved["global_step"] == reference["global_step"] == 2
+    assert all(torch.equal(saved["model"][k], reference["model"][k]) for k in reference["model"])
 
 
 class KillsItsWorker(torch.utils.data.Dataset):

@@ -79,10 +79,13 @@ def test_stop_and_resume_is_bit_identical_one_process(tmp_path, no_launch_env, r
     assert not (tmp_path / "logs" / "PREEMPTED").exists()
 
 
-def test_resume_none_starts_fresh_and_differs(tmp_path, no_launch_env, reference_1):
+def test_resume_none_starts_fresh_and_differs(tmp_path, no_launch_env):
     DDPTrainer(config=cfg_for(tmp_path), loss_fn=SignalAt(6)).train()
     s = DDPTrainer(config=cfg_for(tmp_path, resume="none", max_steps=14)).train()
     assert s["resumed_from"] is None and s["steps"] == 14
+    assert train_steps(tmp_path) == list(range(1, 15))  # a new curve from step 1, not a continuation
+    DDPTrainer(config=cfg_for(tmp_path / "fresh", max_steps=14)).train()
+    assert_bit_identical(final_weights(tmp_path), final_weights(tmp_path / "fresh"))
 
 
 def test_only_the_newest_states_are_kept(tmp_path, no_launch_env):

@@ -120,6 +120,7 @@ def test_loader_does_not_touch_global_rng_and_drops_last():
 def test_distributed_and_single_process_loaders_give_the_same_global_batches():
     two = [list(rt.build_dataloader(Indices(64), 4, train=True, rank=r, world_size=2, seed=7)) for r in (0, 1)]
     one = list(rt.build_dataloader(Indices(64), 8, train=True, rank=0, world_size=1, seed=7))
+    assert len(one) == len(two[0]) == len(two[1]) == 8
     for step, big in enumerate(one):
         assert sorted(big.tolist()) == sorted(two[0][step].tolist() + two[1][step].tolist())
 

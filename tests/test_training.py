@@ -9,6 +9,7 @@ import json
 import math
 import os
 import random
+import select
 import signal
 import subprocess
 import sys
@@ -106,7 +107,9 @@ def test_target_loss_and_patience_stop_early(tmp_path, no_launch_env):
 def test_compiled_model_trains_like_the_eager_one(tmp_path, no_launch_env):
     cfg = {**QUICK, "max_steps": 8, "val_interval": 0, "resume": "none"}
     eager = DDPTrainer(config={**cfg, **dirs(tmp_path / "eager")}).train()
-    compiled = DDPTrainer(config={**cfg, **dirs(tmp_path / "compiled"), "compile": True}).train()  # ~30 s
+    trainer = DDPTrainer(config={**cfg, **dirs(tmp_path / "compiled"), "compile": True})
+    assert isinstance(trainer.model, torch._dynamo.eval_frame.OptimizedModule)  # the loop runs the compiled one
+    compiled = trainer.train()  # ~30 s
     assert abs(compiled["final_val_loss"] - eager["final_val_loss"]) < 1e-3
     weights = torch.load(tmp_path / "compiled" / "ckpt" / "model_final.pt", weights_only=True)["model"]
     assert not any("_orig_mod" in k for k in weights)  # saved without torch.compile's wrapper prefix
@@ -410,19 +413,26 @@ def test_progress_bar_only_on_a_terminal(tmp_path):
     import termios
     controller, worker = pty.openpty()
     fcntl.ioctl(worker, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # a 160-column terminal
-    proc = subprocess.Popen(args, cwd=tmp_path, env=clean_env(), stdin=worker, stdout=worker, stderr=worker)
+    proc = subprocess.Popen(args, cwd=tmp_path, env=clean_env(), stdin=worker, stdout=worker, stderr=worker,
+                            start_new_session=True)
     os.close(worker)
-    chunks = []
-    while True:
-        try:
-            data = os.read(controller, 4096)
-        except OSError:
-            break
-        if not data:
-            break
-        chunks.append(data)
-    proc.wait(timeout=120)
-    os.close(controller)
+    chunks, deadline = [], time.time() + 120
+    try:
+        while time.time() < deadline:  # a hung child fails the test instead of blocking the read forever
+            if not select.select([controller], [], [], 1.0)[0]:
+                continue
+            try:
+                data = os.read(controller, 4096)
+            except OSError:
+                break
+            if not data:
+                break
+            chunks.append(data)
+        proc.wait(timeout=max(1.0, deadline - time.time()))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        os.close(controller)
     shown = b"".join(chunks).decode(errors="replace")
     assert proc.returncode == 0 and "12/12" in shown and "loss=" in shown and "samples_s=" in shown
     assert "step 10/12" not in shown  # the bar replaces the periodic console lines...
