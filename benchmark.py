@@ -13,6 +13,7 @@ All training here runs on the CPU.
 
 import argparse
 import contextlib
+import functools
 import gc
 import io
 import json
@@ -33,7 +34,9 @@ import torch.nn.functional as F
 
 import config
 import ddp_runtime as rt
-from ddp_training import CausalLM, DDPTrainer, TrainConfig, build_optimizer, lr_factor, synthetic_lm_data
+import training_logs
+from ddp_training import (CausalLM, DDPTrainer, TrainConfig, build_optimizer, lr_factor, spawn_local,
+                          synthetic_lm_data)
 
 REPO = Path(__file__).resolve().parent
 DEFAULTS = TrainConfig()  # the trainer's defaults, read here so they are written only once
@@ -145,7 +148,7 @@ def steady_rate(times, warmup):
 
 def metrics_times(log_dir):
     """End time of each training step (seconds since the loop started) from the trainer's metrics.jsonl."""
-    recs = [json.loads(line) for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines()]
+    recs = training_logs.read_metrics(Path(log_dir) / training_logs.METRICS_FILE)
     train = sorted((r for r in recs if r.get("type") == "train"), key=lambda r: r["step"])
     return [r["time"] for r in train], train
 
@@ -177,8 +180,8 @@ def last_line(path, containing):
 def completed(log_dir, steps):
     """True when the trainer's metrics.jsonl ends with a completed summary after `steps` steps."""
     try:
-        last = json.loads((Path(log_dir) / "metrics.jsonl").read_text().splitlines()[-1])
-    except (OSError, IndexError, json.JSONDecodeError):
+        last = training_logs.read_metrics(Path(log_dir) / training_logs.METRICS_FILE)[-1]
+    except (OSError, training_logs.LogError):
         return False
     return last.get("type") == "summary" and last.get("status") == "completed" and last.get("steps") == steps
 
@@ -375,9 +378,7 @@ def bare_ddp_worker(rank, world_size, spec):
     cfg = TrainConfig.from_dict(spec["cfg"])
     grouped = world_size > 1 and not spec.get("independent")
     if grouped:
-        import datetime
-        torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size,
-                                             timeout=datetime.timedelta(seconds=300))
+        rt.setup_distributed(rank, world_size, backend="gloo", device="cpu")
     try:
         data = synthetic_lm_data(cfg)
         raw = build_lm(cfg)
@@ -399,18 +400,13 @@ def bare_scaling_run(args, nproc, run_dir, cfg, independent=False):
     """`nproc` ranks of the bare loop, spawned from this process with torch.multiprocessing on a free port (what
     --nproc does for the trainer); one process runs without a process group, like the trainer's."""
     import benchmark  # the ranks import this module by name, also when it runs as __main__
-    from ddp_training import free_port
     run_dir.mkdir(parents=True)
     spec = {"threads": args.threads, "cfg": cfg, "out": str(run_dir / "times.json"), "independent": independent}
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS=str(args.threads))
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the ranks keep the thread count they are given
     start = time.perf_counter()
-    try:
-        torch.multiprocessing.start_processes(benchmark.bare_ddp_worker, args=(nproc, spec), nprocs=nproc, join=True,
-                                              start_method="spawn")
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    rc = spawn_local(nproc, spec, worker=benchmark.bare_ddp_worker)
+    if rc:
+        raise RuntimeError(f"the bare loop on {nproc} processes exited {rc}")
     wall = time.perf_counter() - start
     steps_per_s = steady_rate(json.loads(Path(spec["out"]).read_text()), args.warmup)
     return {"wall_s": wall, "timed_s": args.steps / steps_per_s, "samples_per_s": steps_per_s * args.batch_size * nproc}
@@ -629,29 +625,17 @@ def probe(spec, timeout):
 
 def consumer_rate(args, data_dir):
     """Samples/s of one training step (forward, backward, AdamW) of the model the loader feeds: the AC
-    predictor at its default preset when vj2ac_train_multi_gpu.py provides it, else the default LM."""
+    predictor at its default preset."""
+    import vj2ac_train_multi_gpu as vj2ac
     from vj2_dataloader import VJ2TrajectoryDataset
     ds = VJ2TrajectoryDataset(data_dir)
     batch = torch.utils.data.default_collate([ds[i % len(ds)] for i in range(args.batch_size)])
-    try:
-        import vj2ac_train_multi_gpu as vj2ac
-        preset = dict(config.PREDICTOR_PRESETS[config.DEFAULT_PREDICTOR_PRESET])
-        torch.manual_seed(0)
-        model = vj2ac.predictor_for(ds.geometry, argparse.Namespace(**preset))
-        loss_fn = lambda m, b: vj2ac.vj2_loss(m, b, config.ROLLOUT_HORIZON)  # noqa: E731
-        name = (f"AC predictor, preset {config.DEFAULT_PREDICTOR_PRESET} {preset}, rollout_horizon "
-                f"{config.ROLLOUT_HORIZON}, data {ds.geometry}")
-    except (ImportError, AttributeError, KeyError, TypeError) as exc:
-        say(f"vj2ac_train_multi_gpu.py has no usable predictor ({type(exc).__name__}: {exc}); timing the LM")
-        torch.manual_seed(0)
-        model = CausalLM(DEFAULTS.vocab_size, DEFAULTS.hidden_size, DEFAULTS.num_layers, DEFAULTS.num_heads,
-                         DEFAULTS.seq_len)
-        batch = torch.randint(0, DEFAULTS.vocab_size, (args.batch_size, DEFAULTS.seq_len + 1))
-        batch = (batch[:, :-1], batch[:, 1:])
-        loss_fn = lambda m, b: (F.cross_entropy(m(b[0]).flatten(0, 1), b[1].flatten(), reduction="sum"),  # noqa
-                                b[1].numel())
-        name = (f"default LM (vj2ac_train_multi_gpu.py not importable: {type(exc).__name__}: {exc}), "
-                f"batch {args.batch_size}")
+    preset = dict(config.PREDICTOR_PRESETS[config.DEFAULT_PREDICTOR_PRESET])
+    torch.manual_seed(0)
+    model = vj2ac.predictor_for(ds.geometry, argparse.Namespace(**preset))
+    loss_fn = lambda m, b: vj2ac.vj2_loss(m, b, config.ROLLOUT_HORIZON)  # noqa: E731
+    name = (f"AC predictor, preset {config.DEFAULT_PREDICTOR_PRESET} {preset}, rollout_horizon "
+            f"{config.ROLLOUT_HORIZON}, data {ds.geometry}")
     opt = build_optimizer(model, 1e-3, 0.04, torch.device("cpu"))
     times = []
     for _ in range(1 + args.train_steps):  # one warm-up step
@@ -762,25 +746,16 @@ def timed(fn, repeats):
     return median(times)
 
 
-def payloads(hidden, layers, heads, seq_len, vocab):
-    """The trainer's two checkpoint payloads (see DDPTrainer.save_checkpoint and save_state), after one
-    AdamW step so the optimizer state is fully populated."""
-    torch.manual_seed(0)
-    model = CausalLM(vocab, hidden, layers, heads, seq_len)
-    opt = build_optimizer(model, DEFAULTS.learning_rate, DEFAULTS.weight_decay, torch.device("cpu"))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    x = torch.randint(0, vocab, (2, seq_len + 1))
-    F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
-    opt.step()
-    sched.step()
-    gen = torch.Generator()
-    weights = {"model": rt.unwrap_state_dict(model), "global_step": 1, "model_config": model.config,
-               "val_loss": 1.0}
-    state = {"model": rt.unwrap_state_dict(model), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-             "scaler": None, "counters": {k: 0 for k in DDPTrainer.STATE_COUNTERS},
-             "rng": [{**rt.rng_state(), "loader": {"epoch_start": gen.get_state(), "current": gen.get_state()}}],
-             "run": {"world_size": 1, "batch_size": 1, "grad_accum_steps": 1, "seed": 0, "train_samples": 1}}
-    return model, weights, state
+def payloads(hidden, layers, heads, seq_len, vocab, run_dir):
+    """The trainer's own two checkpoint payloads (DDPTrainer.checkpoint_payload and state_payload) after one
+    training step, so the AdamW state is fully populated."""
+    cfg = dict(vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads, seq_len=seq_len,
+               max_steps=1, device="cpu", save_interval=0, resume="none", log_dir=str(run_dir / "logs"),
+               checkpoint_dir=str(run_dir / "ckpt"))
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+        trainer = DDPTrainer(rank=0, world_size=1, config=cfg)
+        trainer.train()
+    return trainer.raw_model, trainer.checkpoint_payload(), trainer.state_payload()
 
 
 def save_load(obj, path, repeats):
@@ -870,13 +845,14 @@ def cmd_checkpoint(args):
         for size in args.sizes.split(","):
             hidden, layers = (int(v) for v in size.lower().split("x"))
             heads = DEFAULTS.num_heads if hidden % DEFAULTS.num_heads == 0 else 1
-            model, weights, state = payloads(hidden, layers, heads, args.seq_len, args.vocab_size)
+            model, weights, state = payloads(hidden, layers, heads, args.seq_len, args.vocab_size,
+                                             tmp / f"payload_{size}")
             entry = {"name": size, "hidden_size": hidden, "num_layers": layers, "num_heads": heads,
                      "params": sum(p.numel() for p in model.parameters())}
             entry["weights"] = save_load(weights, tmp / f"{size}_weights.pt", args.repeats)
             entry["state"] = save_load(state, tmp / f"{size}_state.pt", args.repeats)
             entry["write_s"] = entry["weights"]["write_s"] + entry["state"]["write_s"]
-            entry["blocked_s"] = timed(lambda: snapshot_both(weights, state), args.repeats)
+            entry["blocked_s"] = timed(functools.partial(snapshot_both, weights, state), args.repeats)
             entry["blocked_sync_s"] = entry["weights"]["save_s"] + entry["state"]["save_s"]
             entry["blocked_over_write"] = entry["blocked_s"] / entry["write_s"]
             entry["sync_blocked_over_write"] = entry["blocked_sync_s"] / entry["write_s"]

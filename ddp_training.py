@@ -886,15 +886,19 @@ class DDPTrainer:
     def checkpoint_path(self, tag: str) -> Path:
         return self.ckpt_dir / f"{self.cfg.checkpoint_prefix}_{tag}.pt"
 
-    def save_checkpoint(self, tag: str) -> Path:
-        """Weights only (no `module.` prefix), step and val loss. Rank 0 writes atomically, in the
-        background unless async_checkpoint is off; a failed write is an error on every rank."""
-        path = self.checkpoint_path(tag)
+    def checkpoint_payload(self) -> dict:
+        """Weights only (no `module.` prefix), step, val loss when known, and the model config."""
         payload = {self.weights_key: rt.unwrap_state_dict(self.model), "global_step": self.global_step,
                    **self.checkpoint_extra}
         if self.last_val is not None:
             payload["val_loss"] = self.last_val
-        self.writer.save(payload, path, group=self.global_step)
+        return payload
+
+    def save_checkpoint(self, tag: str) -> Path:
+        """Rank 0 writes the checkpoint payload atomically, in the background unless async_checkpoint
+        is off; a failed write is an error on every rank."""
+        path = self.checkpoint_path(tag)
+        self.writer.save(self.checkpoint_payload(), path, group=self.global_step)
         self.log.info("saved checkpoint %s (step %d%s)", path, self.global_step,
                       "" if self.last_val is None else f", val_loss {self.last_val:.6f}")
         return path
@@ -913,22 +917,24 @@ class DDPTrainer:
                 found.append((int(tail), p))
         return [p for _, p in sorted(found)]
 
-    def save_state(self) -> Path:
+    def state_payload(self) -> dict:
         """Everything needed to continue bit-exactly: weights, optimizer, schedule, scaler,
-        counters, position in the epoch, and every rank's RNG streams (gathered to rank 0)."""
+        counters, position in the epoch, and every rank's RNG streams (gathered to rank 0).
+        Collective: every rank calls it, and the replicas are checked to be identical first."""
         rt.check_replicas(self.raw_model)
         per_rank_rng = rt.gather_objects({**rt.rng_state(), "loader": dict(self.loader_rng)})
-        cfg = self.cfg
-        state = {"model": rt.unwrap_state_dict(self.model), "optimizer": self.optimizer.state_dict(),
-                 "scheduler": self.scheduler.state_dict(),
-                 "scaler": self.scaler.state_dict() if self.scaler else None,
-                 "counters": {k: getattr(self, k) for k in self.STATE_COUNTERS},
-                 "rng": per_rank_rng,
-                 "run": self._run_signature()}
+        return {"model": rt.unwrap_state_dict(self.model), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict() if self.scaler else None,
+                "counters": {k: getattr(self, k) for k in self.STATE_COUNTERS},
+                "rng": per_rank_rng, "run": self._run_signature()}
+
+    def save_state(self) -> Path:
+        """Rank 0 writes the resumable state like a checkpoint, then prunes to the newest keep_states."""
         path = self.state_path(self.global_step)
         # Older states go only once the new one is complete.
-        self.writer.save(state, path, group=self.global_step,
-                         then=lambda: rt.keep_newest(self.state_files(), cfg.keep_states))
+        self.writer.save(self.state_payload(), path, group=self.global_step,
+                         then=lambda: rt.keep_newest(self.state_files(), self.cfg.keep_states))
         self.state_step = self.global_step
         self.log.info("saved resumable state %s (step %d, epoch %d, %d steps into the epoch)", path,
                       self.global_step, self.epoch, self.step_in_epoch)
@@ -1399,13 +1405,14 @@ def _spawned_worker(rank: int, world_size: int, cfg: dict) -> None:
     rt.exit_process(rt.EXIT_PREEMPTED if summary["status"] == "interrupted" else 0)
 
 
-def spawn_local(nproc: int, cfg: dict) -> int:
-    """Run `nproc` ranks on this machine with torch.multiprocessing, for users without torchrun."""
+def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker) -> int:
+    """Run `worker(rank, nproc, cfg)` on `nproc` local processes (torch.multiprocessing, a free port), for
+    users without torchrun. Returns the exit status: 0, EXIT_PREEMPTED or 1."""
     import torch.multiprocessing as mp
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(free_port())
     try:
-        mp.start_processes(_spawned_worker, args=(nproc, cfg), nprocs=nproc, join=True, start_method="spawn")
+        mp.start_processes(worker, args=(nproc, cfg), nprocs=nproc, join=True, start_method="spawn")
     except mp.ProcessExitedException as exc:
         return exc.exit_code if exc.exit_code == rt.EXIT_PREEMPTED else 1
     return 0

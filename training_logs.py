@@ -93,10 +93,11 @@ def read_metrics(path) -> list:
 
 
 def last_session(records: list, path) -> list:
-    """Drop earlier runs when one log_dir was reused without resuming.
+    """Keep only the last run of a file that holds several.
 
-    A resumed run truncates metrics.jsonl to its resume step, so steps only go up. A fresh run in the same
-    directory appends, so its step 1 follows the old run's records (or the old run's summary).
+    The trainer never writes one: a resumed run truncates metrics.jsonl to its resume step, so steps only go
+    up, and a fresh run moves the old file aside. Files joined by hand, or written by other tools into one
+    log_dir, can still hold a run whose step 1 follows another run's records (or its summary).
     """
     start, last_step, after_summary = 0, 0, False
     for i, rec in enumerate(records):

@@ -13,10 +13,10 @@ from conftest import REPO, run
 TINY_LM = ["--hidden_size", "32", "--num_layers", "1", "--num_heads", "2", "--seq_len", "16", "--batch_size", "4"]
 
 
-def bench(*args, timeout=120):
-    """Run benchmark.py with --json; stdout must be exactly one JSON object."""
-    cmd = [sys.executable, REPO / "benchmark.py", *args, "--json"]
-    r = run(cmd, cwd=REPO, timeout=timeout, merge_stderr=False)
+def bench(tmp_path, *args, timeout=120):
+    """Run benchmark.py with --json, its work dir under tmp_path; stdout must be exactly one JSON object."""
+    cmd = [sys.executable, REPO / "benchmark.py", *args, "--json", "--dir", tmp_path]
+    r = run(cmd, cwd=tmp_path, timeout=timeout, merge_stderr=False)
     assert r.returncode == 0, f"exit {r.returncode}: {' '.join(map(str, cmd))}\n{r.stderr[-4000:]}"
     out = r.stdout
     return json.loads(out)  # fails on anything but one JSON document
@@ -42,8 +42,8 @@ def check_env(out, command):
     assert out["timed"]
 
 
-def test_overhead():
-    out = bench("overhead", *TINY_LM, "--steps", 4, "--warmup", 2, "--repeats", 2, "--threads", 1)
+def test_overhead(tmp_path):
+    out = bench(tmp_path, "overhead", *TINY_LM, "--steps", 4, "--warmup", 2, "--repeats", 2, "--threads", 1)
     check_env(out, "overhead")
     assert out["config"]["threads"] == 1 and out["config"]["max_steps"] == 6
     assert out["config"]["save_interval"] == 0 and out["config"]["save_every_iters"] == 0
@@ -60,8 +60,8 @@ def test_overhead():
 
 
 @pytest.mark.multi
-def test_scaling():
-    out = bench("scaling", *TINY_LM, "--nproc", 2, "--steps", 3, "--warmup", 2, "--repeats", 1, timeout=150)
+def test_scaling(tmp_path):
+    out = bench(tmp_path, "scaling", *TINY_LM, "--nproc", 2, "--steps", 3, "--warmup", 2, "--repeats", 1, timeout=150)
     check_env(out, "scaling")
     assert out["config"]["threads_per_process"] == 1 and out["config"]["batch_size_per_process"] == 4
     for rows, eff in ((out["rows"], out["efficiency"]), (out["bare_rows"], out["bare_efficiency"])):
@@ -83,8 +83,8 @@ def test_scaling():
 
 
 @pytest.mark.multi  # DataLoader worker processes
-def test_loader():
-    out = bench("loader", "--workers", "0,1", "--files", 2, "--traj_per_file", 3, "--steps", 3, "--patches", 4,
+def test_loader(tmp_path):
+    out = bench(tmp_path, "loader", "--workers", "0,1", "--files", 2, "--traj_per_file", 3, "--steps", 3, "--patches", 4,
                 "--embed_dim", 8, "--actions_per_step", 5, "--batch_size", 2, "--train_steps", 1,
                 "--warm_epochs", 1, "--rss_epochs", 1, "--threads", 1)
     check_env(out, "loader")
@@ -111,8 +111,8 @@ def test_loader():
     assert isinstance(out["memory_flat"], bool)
 
 
-def test_checkpoint():
-    out = bench("checkpoint", "--sizes", "32x1,64x1", "--seq_len", 16, "--repeats", 1, "--loop_saves", 2,
+def test_checkpoint(tmp_path):
+    out = bench(tmp_path, "checkpoint", "--sizes", "32x1,64x1", "--seq_len", 16, "--repeats", 1, "--loop_saves", 2,
                 "--loop_save_every", 2, "--loop_batch", 4, "--threads", 1)
     check_env(out, "checkpoint")
     assert [m["name"] for m in out["models"]] == ["32x1", "64x1"]
@@ -141,11 +141,11 @@ def test_checkpoint():
                                       m["in_loop"]["async"]["blocked_over_write"] <= target for m in out["models"])
 
 
-def test_table_output(capsys):
+def test_table_output(tmp_path, capsys, no_launch_env):
     """Without --json: markdown tables and the machine line on stdout (in this process, no start-up cost)."""
     import benchmark
     assert benchmark.main(["checkpoint", "--sizes", "32x1", "--seq_len", "16", "--repeats", "1",
-                           "--loop_saves", "0", "--threads", "1"]) == 0
+                           "--loop_saves", "0", "--threads", "1", "--dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "| model (params) | payload |" in out and "| 32x1 (0.02M) | weights |" in out and "torch" in out
     with pytest.raises(json.JSONDecodeError):
