@@ -90,18 +90,31 @@ detected_gpus() {
 
 device_args=()
 if (( cpu == 0 )); then
-    available=$(detected_gpus)
+    # The GPUs this job may use: those CUDA_VISIBLE_DEVICES names when a scheduler (SLURM, Docker) set it,
+    # else every GPU nvidia-smi sees. --gpus ids count within them, as CUDA numbers them.
+    detected=$(detected_gpus)
+    visible=()
+    if [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then
+        IFS=',' read -r -a visible <<< "$CUDA_VISIBLE_DEVICES"
+        (( detected > 0 )) || visible=()
+    else
+        for (( i = 0; i < detected; i++ )); do visible+=("$i"); done
+    fi
+    available=${#visible[@]}
     if [[ -n "$gpus" ]]; then
         IFS=',' read -r -a ids <<< "$gpus"
         (( ${#ids[@]} > 0 )) || die "--gpus expects ids like 0,1"
         seen=","
+        chosen=()
         for id in "${ids[@]}"; do
             is_uint "$id" || die "--gpus: '$id' is not a GPU id"
-            (( id < available )) || die "--gpus: GPU $id does not exist ($available GPU(s) detected)"
+            (( id < available )) || die "--gpus: GPU $id does not exist ($available GPU(s) visible)"
             [[ "$seen" != *",$id,"* ]] || die "--gpus: GPU $id listed twice"
             seen="$seen$id,"
+            chosen+=("${visible[$id]}")
         done
-        export CUDA_VISIBLE_DEVICES="$gpus"
+        CUDA_VISIBLE_DEVICES=$(IFS=','; echo "${chosen[*]}")
+        export CUDA_VISIBLE_DEVICES
         nproc=${#ids[@]}
     elif (( available > 0 )); then
         nproc=${nproc:-$available}

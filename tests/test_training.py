@@ -258,6 +258,18 @@ def test_launcher_syntax_help_and_errors(tmp_path):
                           (["--nnodes", "2"], "needs --master-addr")]:
         r = run(launcher + argv, cwd=REPO, env=env)
         assert r.returncode == 2 and message in r.stdout, (argv, r.stdout)
+    # Four GPUs on the node, two given to this job: --gpus counts within the two.
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\nprintf '0\\n1\\n2\\n3\\n'\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    env = clean_env(PATH=f"{fake}:/usr/bin:/bin", CUDA_VISIBLE_DEVICES="2,3")
+    r = run(launcher + ["--gpus", "0,2"], cwd=REPO, env=env)
+    assert r.returncode == 2 and "GPU 2 does not exist (2 GPU(s) visible)" in r.stdout, r.stdout
+    (tmp_path / "show.py").write_text("import os\nprint('visible:', os.environ['CUDA_VISIBLE_DEVICES'])\n")
+    env["PATH"] = f"{fake}:{Path(sys.executable).parent}:/usr/bin:/bin"
+    r = run(launcher + ["--gpus", "1", "--script", tmp_path / "show.py"], cwd=tmp_path, env=env, timeout=60)
+    assert r.returncode == 0 and "visible: 3" in r.stdout, r.stdout
 
 
 @pytest.mark.multi
