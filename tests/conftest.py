@@ -1,5 +1,6 @@
 """Shared test helpers: run real processes with bounded timeouts, never hang CI."""
 
+import json
 import os
 import signal
 import subprocess
@@ -90,6 +91,12 @@ def torchrun_workers(agent: subprocess.Popen) -> dict:
         if "RANK" in env and "TORCHELASTIC_RUN_ID" in env:
             out[int(env["RANK"])] = child
     return out
+
+
+def metrics(log_dir, kind: str = None) -> list:
+    """The records of log_dir/metrics.jsonl, only those of type `kind` when given."""
+    recs = [json.loads(line) for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines()]
+    return recs if kind is None else [r for r in recs if r["type"] == kind]
 
 
 def make_vj2_data(root: Path, train_files: int, per_file: int, val_trajectories: int) -> Path:

@@ -8,10 +8,16 @@ import time
 import traceback
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list:
+    """n distinct free ports (held open together while chosen, so no two are the same)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _entry(fn, rank, world_size, port, queue, args):
@@ -28,7 +34,7 @@ def spawn(fn, world_size: int = 2, *args, timeout: float = 90.0) -> list:
     """Results of fn(rank, world_size, *args) per rank; raises if any rank fails or hangs."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_ports(1)[0]
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, queue, args)) for r in range(world_size)]
     for p in procs:
         p.start()

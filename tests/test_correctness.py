@@ -14,9 +14,7 @@ Tolerances (fp32 on the CPU; differences come only from summation order):
 """
 
 import copy
-import json
 import os
-import socket
 from functools import partial
 from pathlib import Path
 
@@ -30,7 +28,8 @@ from torch.utils.data import TensorDataset
 
 import ddp_runtime as rt
 from ddp_training import IGNORE_INDEX, CausalLM, DDPTrainer, TrainConfig, evaluate_model, lm_loss, use_static_graph
-from dist_helpers import spawn
+from conftest import metrics
+from dist_helpers import free_ports, spawn
 
 RTOL = 1e-6              # fp32, summation order only
 # AdamW divides each element's update by that element's own gradient scale. A few gradients of the
@@ -86,17 +85,6 @@ def to_torch(obj):
 
 def spawn_by_value(fn, world_size, *args):
     return to_torch(spawn(fn, world_size, *args, timeout=SPAWN_TIMEOUT))
-
-
-def free_ports(n: int) -> list:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 # =============================================================================================
@@ -344,16 +332,15 @@ def final_weights(rec: dict) -> torch.Tensor:
     return flat_state(ckpt["model"])
 
 
-def step_losses(rec: dict) -> list:
-    lines = (Path(rec["dir"]) / "logs" / "metrics.jsonl").read_text().splitlines()
-    return [r["loss"] for r in map(json.loads, lines) if r["type"] == "train"]
+def step_losses(log_dir) -> list:
+    return [r["loss"] for r in metrics(log_dir, "train")]
 
 
 def assert_same_training(run: dict, ref: dict, steps: int):
     assert len(run["grads"]) == len(ref["grads"]) == steps
     for step, (g, r) in enumerate(zip(run["grads"], ref["grads"])):
         assert rel(g, r) < RTOL, f"step {step + 1}: gradient {rel(g, r):.2e} from the reference"
-    a, b = step_losses(run), step_losses(ref)
+    a, b = (step_losses(Path(r["dir"]) / "logs") for r in (run, ref))
     assert len(a) == len(b) == steps and all(abs(x - y) <= RTOL * abs(y) for x, y in zip(a, b)), (a, b)
     assert rel(final_weights(run), final_weights(ref)) < WEIGHT_RTOL
     # Guard against a vacuous pass: the steps moved the weights far more than the tolerance.
@@ -463,7 +450,7 @@ def test_token_normalised_loss_with_uneven_padding(runs):
     # One step, directly: the gradient the optimizer got and the logged loss.
     for r in two:
         assert rel(r["grads"][0], ref_grad) < RTOL
-    assert abs(step_losses(two[0])[0] - ref_loss) < RTOL * ref_loss
+    assert abs(step_losses(Path(two[0]["dir"]) / "logs")[0] - ref_loss) < RTOL * ref_loss
     assert rel(one["grads"][0], ref_grad) < RTOL
     # The whole run: 2 ranks x 4 == 1 process x 8, step by step and in the final weights.
     assert_same_training(two[0], one, PAD_STEPS)
@@ -536,11 +523,6 @@ OVERFIT = dict(max_steps=60, learning_rate=1e-2, warmup_steps=0, lr_schedule="co
                resume="none", log_interval=100, val_interval=0, save_interval=0, device="cpu")
 
 
-def _losses(tmp_path) -> list:
-    lines = (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
-    return [r["loss"] for r in map(json.loads, lines) if r["type"] == "train"]
-
-
 @pytest.mark.parametrize("n", [1, 8], ids=["one-sample", "small-batch"])
 def test_lm_overfits(tmp_path, no_launch_env, n):
     g = torch.Generator().manual_seed(5)
@@ -549,7 +531,7 @@ def test_lm_overfits(tmp_path, no_launch_env, n):
     model = CausalLM(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, seq_len=16)
     cfg = dict(OVERFIT, batch_size=n, log_dir=str(tmp_path / "logs"), checkpoint_dir=str(tmp_path / "ckpt"))
     DDPTrainer(config=cfg, model=model, train_dataset=data).train()
-    losses = _losses(tmp_path)
+    losses = step_losses(tmp_path / "logs")
     assert losses[-1] < (1 - OVERFIT_DROP) * losses[0] and losses[-1] < LM_OVERFIT_MAX, losses[::10]
 
 
@@ -568,5 +550,5 @@ def test_ac_predictor_overfits(tmp_path, no_launch_env, n):
                checkpoint_dir=str(tmp_path / "ckpt"))
     DDPTrainer(config=cfg, model=model, train_dataset=data, loss_fn=partial(vj2ac.vj2_loss, rollout_horizon=horizon),
                weights_key="predictor", count_unit="samples").train()
-    losses = _losses(tmp_path)
+    losses = step_losses(tmp_path / "logs")
     assert losses[-1] < (1 - OVERFIT_DROP) * losses[0] and losses[-1] < AC_OVERFIT_MAX, losses[::10]

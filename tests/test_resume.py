@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ddp_runtime as rt
-from conftest import clean_env, make_vj2_data, torchrun, torchrun_workers, wait_for_step
+from conftest import clean_env, make_vj2_data, metrics, torchrun, torchrun_workers, wait_for_step
 from dist_helpers import spawn
 from ddp_training import DDPTrainer, lm_loss
 
@@ -54,8 +54,7 @@ def assert_bit_identical(a: dict, b: dict) -> None:
 
 
 def train_steps(root: Path) -> list:
-    lines = (root / "logs" / "metrics.jsonl").read_text().splitlines()
-    return [r["step"] for r in map(json.loads, lines) if r["type"] == "train"]
+    return [r["step"] for r in metrics(root / "logs", "train")]
 
 
 # -- one process --------------------------------------------------------------------------

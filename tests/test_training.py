@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, clean_env, make_vj2_data, run, torchrun, torchrun_workers, wait_for_step
+from conftest import REPO, clean_env, make_vj2_data, metrics, run, torchrun, torchrun_workers, wait_for_step
 
 import ddp_runtime as rt
 from ddp_training import CausalLM, DDPTrainer, TrainConfig, build_arg_parser, config_from_args
@@ -36,12 +36,8 @@ def gap_fraction(val_loss: float, floor: float, vocab: int = 64) -> float:
     return (val_loss - floor) / (math.log(vocab) - floor)
 
 
-def read_metrics(log_dir: Path) -> list:
-    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def summary_of(log_dir: Path) -> dict:
-    return [r for r in read_metrics(log_dir) if r["type"] == "summary"][-1]
+    return [r for r in metrics(log_dir) if r["type"] == "summary"][-1]
 
 
 def dirs(tmp_path) -> dict:
@@ -56,7 +52,7 @@ def test_api_single_process_trains_toward_the_floor(tmp_path, no_launch_env):
     assert gap_fraction(summary["final_val_loss"], summary["loss_floor"]) < MAX_GAP_FRACTION
     assert summary["test_loss"] < math.log(64) - 1.0
 
-    records = read_metrics(tmp_path / "logs")
+    records = metrics(tmp_path / "logs")
     train = [r for r in records if r["type"] == "train"]
     assert [r["step"] for r in train] == list(range(1, 61))
     assert {"loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s"} <= set(train[0])
@@ -148,7 +144,7 @@ def test_nonfinite_loss_skips_the_step_and_gives_up_after_max_bad_steps(tmp_path
     with pytest.raises(FloatingPointError, match="3 consecutive non-finite steps"):
         t.train()
     assert all(torch.isfinite(p).all() for p in model.parameters())
-    train = [r for r in read_metrics(tmp_path / "logs") if r["type"] == "train"]
+    train = [r for r in metrics(tmp_path / "logs") if r["type"] == "train"]
     assert [r["step"] for r in train if r["skipped"]] == [3, 4, 11, 12, 13]
     saved = torch.load(tmp_path / "ckpt" / "model_interrupted.pt", weights_only=True)
     assert saved["global_step"] == 13 and all(torch.isfinite(v).all() for v in saved["model"].values())
@@ -373,7 +369,7 @@ def vj2_args(root, run, *extra):
 
 
 def check_vj2_run(run: Path, world_size: int):
-    records = read_metrics(run)
+    records = metrics(run)
     val = [r["val_loss"] for r in records if r["type"] == "val"]
     first = [r["loss"] for r in records if r["type"] == "train"][0]
     summary = records[-1]
@@ -469,8 +465,8 @@ def test_tensorboard_writes_the_same_scalars(tmp_path, no_launch_env, monkeypatc
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
     DDPTrainer(config={**QUICK, **dirs(tmp_path), "max_steps": 3, "tensorboard": True}).train()
     losses = [(s, v) for t, v, s in (w for w in written if w != "closed") if t == "train/loss"]
-    metrics = [r for r in read_metrics(tmp_path / "logs") if r["type"] == "train"]
-    assert losses == [(r["step"], r["loss"]) for r in metrics] and written[-1] == "closed"
+    train = metrics(tmp_path / "logs", "train")
+    assert losses == [(r["step"], r["loss"]) for r in train] and written[-1] == "closed"
 
 
 if __name__ == "__main__":

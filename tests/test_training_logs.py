@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import training_logs as tl
-from conftest import LAUNCH_VARS, REPO, clean_env
+from conftest import LAUNCH_VARS, REPO, clean_env, metrics
 from ddp_training import DDPTrainer
 
 LRS = {"lr_3e-3": 3e-3, "lr_1e-2": 1e-2}
@@ -39,13 +39,8 @@ def runs(tmp_path_factory):
     return root
 
 
-def records(run_dir, kind):
-    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["type"] == kind]
-
-
 def summary_record(run_dir):
-    (rec,) = records(run_dir, "summary")
+    (rec,) = metrics(run_dir, "summary")
     return rec
 
 
@@ -74,8 +69,8 @@ def test_summary_json_has_the_runs_values(runs, capsys):
     for row, d in zip(rows, dirs):
         s = summary_record(d)
         assert row["status"] == "completed" and row["steps"] == 20 == s["steps"]
-        assert row["final_val_loss"] == s["final_val_loss"] == records(d, "val")[-1]["val_loss"]
-        assert row["best_val_loss"] == s["best_val_loss"] == min(r["val_loss"] for r in records(d, "val"))
+        assert row["final_val_loss"] == s["final_val_loss"] == metrics(d, "val")[-1]["val_loss"]
+        assert row["best_val_loss"] == s["best_val_loss"] == min(r["val_loss"] for r in metrics(d, "val"))
         assert row["test_loss"] == s["test_loss"]
         assert row["wall_time_s"] == s["wall_time_s"] and row["samples_per_s"] == s["samples_per_s"]
         assert row["world_size"] == 1
@@ -127,12 +122,12 @@ def test_incomplete_run_is_summarised_from_its_records(runs, tmp_path, capsys):
     path.write_text("\n".join(kept[:-3]) + "\n")  # killed after step 18 or so
     assert tl.main(["summary", str(d), "--format", "json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)
-    vals = [r["val_loss"] for r in records(d, "val")]
-    train = records(d, "train")
+    vals = [r["val_loss"] for r in metrics(d, "val")]
+    train = metrics(d, "train")
     assert row["status"] == "incomplete"
     assert row["steps"] == train[-1]["step"] < 20
     assert row["final_val_loss"] == vals[-1] and row["best_val_loss"] == min(vals)
-    assert row["wall_time_s"] == pytest.approx(max(r["time"] for r in train + records(d, "val")))
+    assert row["wall_time_s"] == pytest.approx(max(r["time"] for r in train + metrics(d, "val")))
     assert row["world_size"] == 1  # from rank_0.log
     assert row["test_loss"] is None
 
@@ -162,7 +157,7 @@ def test_plot_writes_a_png(runs, tmp_path, name):
 def test_plotted_series_come_from_the_run(runs):
     d = runs / "lr_1e-2"
     run = tl.load_run(d)
-    train, val = records(d, "train"), records(d, "val")
+    train, val = metrics(d, "train"), metrics(d, "val")
     assert tl.series(run, "loss") == ([r["step"] for r in train], [r["loss"] for r in train])
     assert tl.series(run, "val_loss") == ([r["step"] for r in val], [r["val_loss"] for r in val])
     assert tl.series(run, "lr", x="time") == ([r["time"] for r in train], [r["lr"] for r in train])

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import REPO, clean_env, run, torchrun
+from conftest import REPO, clean_env, make_vj2_data, metrics, run, torchrun
 
 import create_synthetic_data as gen
 import ddp_runtime as rt
@@ -36,10 +36,6 @@ def tiny_predictor(seed=0, depth=2):
 def random_batch(batch=3, seed=1):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(batch, T, P, D, generator=g), torch.rand(batch, T - 1, A * C, generator=g)
-
-
-def read_metrics(log_dir):
-    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def script(*args):
@@ -183,15 +179,14 @@ def test_bad_flags_exit_2_naming_the_flag(argv, message, capsys):
 def trained(tmp_path_factory):
     """One 2-rank gloo run: 600 training trajectories, 16 per rank per step, 10 epochs = 180 steps."""
     root = tmp_path_factory.mktemp("vj2_trained")
-    gen.generate(root / "train", num_files=2, trajectories_per_file=300, seed=0)
-    gen.generate(root / "val", num_files=1, trajectories_per_file=50, seed=1)
+    make_vj2_data(root, 2, 300, 50)
     t0 = time.time()
     r = run(torchrun(2, SCRIPT, "--device", "cpu", "--dist-backend", "gloo", "--processed_data_dir", root / "train",
                      "--validation_data_dir", root / "val", "--num_epochs", "10", "--batch_size", "16",
                      "--save_every_iters", "50", "--val_every_iters", "25", "--save_every_epochs", "3",
                      "--checkpoint_dir", root / "ckpt", "--log_dir", root / "logs"), cwd=root, timeout=240)
     assert r.returncode == 0, r.stdout[-6000:]
-    return dict(root=root, out=r.stdout, wall=time.time() - t0, records=read_metrics(root / "logs"))
+    return dict(root=root, out=r.stdout, wall=time.time() - t0, records=metrics(root / "logs"))
 
 
 def copy_baseline(val_dir, horizon=2):
@@ -296,8 +291,7 @@ def test_rollout_horizon_longer_than_the_data_fails_fast_on_both_ranks(tmp_path)
 
 
 def test_corrupt_file_is_named_and_can_be_skipped(tmp_path, no_launch_env):
-    gen.generate(tmp_path / "train", num_files=2, trajectories_per_file=8)
-    gen.generate(tmp_path / "val", num_files=1, trajectories_per_file=4, seed=1)
+    make_vj2_data(tmp_path, 2, 8, 4)
     good = (tmp_path / "train" / "train_00000.npz").read_bytes()
     (tmp_path / "train" / "broken.npz").write_bytes(good[: len(good) // 2])
     common = ("--device", "cpu", "--processed_data_dir", tmp_path / "train", "--validation_data_dir",
@@ -313,8 +307,7 @@ def test_corrupt_file_is_named_and_can_be_skipped(tmp_path, no_launch_env):
 
 
 def test_interrupted_run_saves_its_weights_and_exits_preempted(tmp_path):
-    gen.generate(tmp_path / "train", num_files=1, trajectories_per_file=64)
-    gen.generate(tmp_path / "val", num_files=1, trajectories_per_file=4, seed=1)
+    make_vj2_data(tmp_path, 1, 64, 4)
     metrics = tmp_path / "ckpt" / "metrics.jsonl"
     proc = subprocess.Popen([str(c) for c in script(
         "--device", "cpu", "--processed_data_dir", tmp_path / "train", "--validation_data_dir", tmp_path / "val",
@@ -360,7 +353,7 @@ def test_documented_cpu_command(tmp_path):
     # 30 trajectories, 2 ranks, 2 per step: 7 steps, so no step_N (every 100) and no epoch_N (off by default)
     assert {p.name for p in run_dir.iterdir() if WEIGHTS_FILE.match(p.name)} == {"vjepa2_best.pt", "vjepa2_final.pt"}
     assert {"rank_0.log", "rank_1.log", "metrics.jsonl"} <= {p.name for p in run_dir.iterdir()}
-    records = read_metrics(run_dir)
+    records = metrics(run_dir)
     first_loss = next(r["loss"] for r in records if r["type"] == "train")
     summary = records[-1]
     assert summary["type"] == "summary" and summary["steps"] == 7
