@@ -1,5 +1,6 @@
 """Shared test helpers: run real processes with bounded timeouts, never hang CI."""
 
+import contextlib
 import json
 import os
 import signal
@@ -63,6 +64,38 @@ def run(cmd, cwd, timeout=180, env=None, check=False, merge_stderr=True) -> subp
     if check and proc.returncode != 0:
         pytest.fail(f"exit {proc.returncode}: {' '.join(map(str, cmd))}\n{(out + (err or ''))[-6000:]}")
     return result
+
+
+@contextlib.contextmanager
+def background(cmd, cwd, env=None, **popen):
+    """A command running in its own session while the test acts on it. On leaving, whatever happened,
+    its whole process group is killed, so no stray trainer slows the tests after it."""
+    options = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, **popen}
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env or clean_env(), start_new_session=True,
+                            **options)
+    try:
+        yield proc
+    finally:
+        kill_tree(proc)
+        proc.communicate(timeout=30)
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a process, every descendant (torchrun starts its workers in groups of their own) and its
+    process group (children whose parent already exited)."""
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
+    except psutil.NoSuchProcess:
+        family = []
+    for p in family:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def torchrun(nproc: int, script: str, *args, extra=()) -> list:

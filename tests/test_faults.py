@@ -4,7 +4,6 @@ every fault ends in the same decision on every rank at the same step, with its c
 import json
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import ddp_runtime as rt
-from conftest import Indices, clean_env, torchrun, torchrun_workers, wait_for_step
+from conftest import Indices, background, clean_env, torchrun, torchrun_workers, wait_for_step
 from dist_helpers import spawn
 from ddp_training import CausalLM, DDPTrainer, TrainConfig, lm_loss, synthetic_lm_data
 
@@ -205,13 +204,9 @@ def test_uneven_shards_equal_steps_and_exact_validation(tmp_path):
 def test_a_stopped_rank_turns_into_a_timeout_error_on_the_others(tmp_path):
     cmd = torchrun(2, "ddp_training.py", "--cpu", "--test", "--max_steps", "100000", "--val_interval", "0",
                    "--dist_timeout", "10", "--resume", "none", "--log_dir", "logs", "--checkpoint_dir", "ckpt")
-    agent = subprocess.Popen(cmd, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    stopped = None
-    try:
+    with background(cmd, tmp_path) as agent:  # leaving kills the group, the stopped rank too
         wait_for_step(tmp_path / "logs" / "metrics.jsonl", 5)
-        stopped = torchrun_workers(agent)[1]
-        stopped.send_signal(signal.SIGSTOP)
+        torchrun_workers(agent)[1].send_signal(signal.SIGSTOP)
         t0 = time.time()
         log0 = tmp_path / "logs" / "rank_0.log"
         while time.time() - t0 < 10 + 30 and "did not complete within dist_timeout" not in log0.read_text():
@@ -221,11 +216,6 @@ def test_a_stopped_rank_turns_into_a_timeout_error_on_the_others(tmp_path):
         assert "did not complete within dist_timeout=10s" in text, text[-2000:]
         assert elapsed < 10 + 30
         assert "monitored_barrier" in text
-    finally:
-        if stopped is not None and stopped.is_running():
-            stopped.send_signal(signal.SIGCONT)
-        os.killpg(agent.pid, signal.SIGKILL)
-        agent.communicate()
 
 
 class OutOfMemoryAbove:
@@ -319,18 +309,12 @@ def test_sigusr1_through_the_launcher_preempts_cleanly(tmp_path):
     import sys
     from conftest import REPO
     env = clean_env(PYTHON=sys.executable, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    agent = subprocess.Popen(["bash", str(REPO / "launch_training.sh"), "--cpu", "--test", "--script",
-                              str(REPO / "ddp_training.py"), "-l", "logs", "-c", "ckpt", "--",
-                              "--max_steps", "100000", "--val_interval", "0", "--resume", "none"],
-                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True)
-    try:
+    cmd = ["bash", REPO / "launch_training.sh", "--cpu", "--test", "--script", REPO / "ddp_training.py", "-l", "logs",
+           "-c", "ckpt", "--", "--max_steps", "100000", "--val_interval", "0", "--resume", "none"]
+    with background(cmd, tmp_path, env=env) as agent:
         wait_for_step(tmp_path / "logs" / "metrics.jsonl", 5)
         agent.send_signal(signal.SIGUSR1)  # the launcher exec'd torchrun: this is the agent
         agent.communicate(timeout=60)
-    finally:
-        if agent.poll() is None:
-            os.killpg(agent.pid, signal.SIGKILL)
     step = json.loads((tmp_path / "logs" / "PREEMPTED").read_text())["step"]
     assert (tmp_path / "ckpt" / f"model_state_step_{step}.pt").exists()
     assert "SIGUSR1" in (tmp_path / "logs" / "rank_0.log").read_text()

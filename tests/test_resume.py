@@ -5,7 +5,6 @@ on two, after SIGTERM, after SIGKILL under torchrun --max-restarts, and after co
 import json
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 import ddp_runtime as rt
-from conftest import clean_env, make_vj2_data, metrics, torchrun, torchrun_workers, wait_for_step
+from conftest import background, clean_env, make_vj2_data, metrics, torchrun, torchrun_workers, wait_for_step
 from dist_helpers import spawn
 from ddp_training import DDPTrainer, lm_loss
 
@@ -219,35 +218,30 @@ LONG = ["--cpu", "--test", "--max_steps", "300", "--val_interval", "100", "--sav
         "--log_dir", "logs", "--checkpoint_dir", "ckpt"]
 
 
-def start(cmd, cwd) -> subprocess.Popen:
-    env = clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
-    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+def start(cmd, cwd):
+    """The command in the background (see conftest.background), with the TCP store restarts need."""
+    return background(cmd, cwd, env=clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1))
 
 
-def finish(agent: subprocess.Popen, timeout: float) -> str:
-    try:
-        out, _ = agent.communicate(timeout=timeout)
-        return out
-    finally:
-        if agent.poll() is None:
-            os.killpg(agent.pid, signal.SIGKILL)
+def run_to_end(cmd, cwd, timeout: float) -> str:
+    with start(cmd, cwd) as proc:
+        return proc.communicate(timeout=timeout)[0]
 
 
 @pytest.fixture(scope="module")
 def reference_torchrun(tmp_path_factory):
     root = tmp_path_factory.mktemp("reft")
-    out = finish(start(torchrun(2, "ddp_training.py", *LONG), root), 180)
+    out = run_to_end(torchrun(2, "ddp_training.py", *LONG), root, 180)
     assert (root / "ckpt" / "model_final.pt").exists(), out[-3000:]
     return final_weights(root)
 
 
 @pytest.mark.multi
 def test_sigkill_a_worker_under_max_restarts_finishes_bit_identical(tmp_path, reference_torchrun):
-    agent = start(torchrun(2, "ddp_training.py", *LONG, extra=["--max-restarts=1"]), tmp_path)
-    wait_for_step(tmp_path / "logs" / "metrics.jsonl", 60)
-    torchrun_workers(agent)[1].kill()  # SIGKILL: no handler runs, no checkpoint is written
-    out = finish(agent, 180)
+    with start(torchrun(2, "ddp_training.py", *LONG, extra=["--max-restarts=1"]), tmp_path) as agent:
+        wait_for_step(tmp_path / "logs" / "metrics.jsonl", 60)
+        torchrun_workers(agent)[1].kill()  # SIGKILL: no handler runs, no checkpoint is written
+        out, _ = agent.communicate(timeout=180)
     assert agent.returncode == 0, out[-4000:]
     log = (tmp_path / "logs" / "rank_1.log").read_text()
     assert "resumed from" in log and "model_state_step_" in log
@@ -258,18 +252,18 @@ def test_sigkill_a_worker_under_max_restarts_finishes_bit_identical(tmp_path, re
 @pytest.mark.multi
 def test_sigterm_to_the_agent_then_relaunch_is_bit_identical(tmp_path, reference_torchrun):
     cmd = torchrun(2, "ddp_training.py", *LONG)
-    agent = start(cmd, tmp_path)
-    wait_for_step(tmp_path / "logs" / "metrics.jsonl", 40)
-    procs = list(torchrun_workers(agent).values())
-    t0 = time.time()
-    agent.send_signal(signal.SIGTERM)
-    finish(agent, 60)
-    gone, alive = psutil.wait_procs(procs, timeout=30)
+    with start(cmd, tmp_path) as agent:
+        wait_for_step(tmp_path / "logs" / "metrics.jsonl", 40)
+        procs = list(torchrun_workers(agent).values())
+        t0 = time.time()
+        agent.send_signal(signal.SIGTERM)
+        agent.communicate(timeout=60)
+        gone, alive = psutil.wait_procs(procs, timeout=30)
     assert not alive and time.time() - t0 < 40
     marker = json.loads((tmp_path / "logs" / "PREEMPTED").read_text())
     assert (tmp_path / "ckpt" / f"model_state_step_{marker['step']}.pt").exists()
     assert (tmp_path / "ckpt" / "model_interrupted.pt").exists()
-    out = finish(start(cmd, tmp_path), 180)  # the same command again
+    out = run_to_end(cmd, tmp_path, 180)  # the same command again
     assert (tmp_path / "ckpt" / "model_final.pt").exists(), out[-3000:]
     assert_bit_identical(final_weights(tmp_path), reference_torchrun)
 
@@ -295,16 +289,16 @@ def vj2_final(run):
 @pytest.mark.multi
 def test_vj2_sigterm_then_relaunch_is_bit_identical(tmp_path, vj2_root):
     ref = tmp_path / "ref"
-    out = finish(start([str(c) for c in vj2_cmd(vj2_root, ref)], tmp_path), 180)
+    out = run_to_end(vj2_cmd(vj2_root, ref), tmp_path, 180)
     assert (ref / "vjepa2_final.pt").exists(), out[-3000:]
     run_dir = tmp_path / "run"
-    cmd = [str(c) for c in vj2_cmd(vj2_root, run_dir)]
-    agent = start(cmd, tmp_path)
-    wait_for_step(run_dir / "metrics.jsonl", 25, timeout=120)
-    agent.send_signal(signal.SIGTERM)
-    finish(agent, 60)
+    cmd = vj2_cmd(vj2_root, run_dir)
+    with start(cmd, tmp_path) as agent:
+        wait_for_step(run_dir / "metrics.jsonl", 25, timeout=120)
+        agent.send_signal(signal.SIGTERM)
+        agent.communicate(timeout=60)
     step = json.loads((run_dir / "PREEMPTED").read_text())["step"]
     assert 25 <= step < 80
-    out = finish(start(cmd, tmp_path), 180)
+    out = run_to_end(cmd, tmp_path, 180)
     assert (run_dir / "vjepa2_final.pt").exists(), out[-3000:]
     assert_bit_identical(vj2_final(run_dir), vj2_final(ref))

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, clean_env, make_vj2_data, metrics, run, torchrun, torchrun_workers, wait_for_step
+from conftest import REPO, background, clean_env, make_vj2_data, metrics, run, torchrun, torchrun_workers, wait_for_step
 
 import ddp_runtime as rt
 from ddp_training import CausalLM, DDPTrainer, TrainConfig, build_arg_parser, config_from_args
@@ -272,17 +272,12 @@ def test_launcher_syntax_help_and_errors(tmp_path):
 def test_sigterm_on_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
     cmd = torchrun(2, "ddp_training.py", "--cpu", "--test", "--max_steps", "100000", "--val_interval", "0",
                    "--log_dir", "logs", "--checkpoint_dir", "ckpt")
-    agent = subprocess.Popen(cmd, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
+    with background(cmd, tmp_path) as agent:
         wait_for_step(tmp_path / "logs" / "metrics.jsonl", 5)
         workers = torchrun_workers(agent)
         assert set(workers) == {0, 1}, "workers not found"
         workers[1].send_signal(signal.SIGTERM)  # only rank 1 sees the signal
-        out, _ = agent.communicate(timeout=60)
-    finally:
-        if agent.poll() is None:
-            os.killpg(agent.pid, signal.SIGKILL)
+        agent.communicate(timeout=60)
     marker = json.loads((tmp_path / "logs" / "PREEMPTED").read_text())
     saved = torch.load(tmp_path / "ckpt" / "model_interrupted.pt", weights_only=True)
     assert saved["global_step"] == marker["step"] > 5
@@ -295,15 +290,10 @@ def test_sigterm_on_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
 def test_sigterm_on_a_plain_run_exits_with_the_preempted_code(tmp_path):
     cmd = [sys.executable, REPO / "ddp_training.py", "--cpu", "--test", "--max_steps", "100000",
            "--val_interval", "0", "--log_dir", "logs", "--checkpoint_dir", "ckpt"]
-    proc = subprocess.Popen([str(c) for c in cmd], cwd=tmp_path, env=clean_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+    with background(cmd, tmp_path, stdout=subprocess.DEVNULL) as proc:
         wait_for_step(tmp_path / "logs" / "metrics.jsonl", 3, timeout=60)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == rt.EXIT_PREEMPTED
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     step = json.loads((tmp_path / "logs" / "PREEMPTED").read_text())["step"]
     assert (tmp_path / "ckpt" / f"model_state_step_{step}.pt").exists()
 

@@ -4,7 +4,6 @@
 import json
 import re
 import signal
-import subprocess
 import sys
 import time
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import REPO, clean_env, make_vj2_data, metrics, run, torchrun
+from conftest import REPO, background, clean_env, make_vj2_data, metrics, run, torchrun, wait_for_step
 
 import create_synthetic_data as gen
 import ddp_runtime as rt
@@ -308,25 +307,19 @@ def test_corrupt_file_is_named_and_can_be_skipped(tmp_path, no_launch_env):
 
 def test_interrupted_run_saves_its_weights_and_exits_preempted(tmp_path):
     make_vj2_data(tmp_path, 1, 64, 4)
-    metrics = tmp_path / "ckpt" / "metrics.jsonl"
-    proc = subprocess.Popen([str(c) for c in script(
-        "--device", "cpu", "--processed_data_dir", tmp_path / "train", "--validation_data_dir", tmp_path / "val",
-        "--batch_size", "2", "--num_epochs", "50", "--val_every_iters", "0", "--checkpoint_dir", "ckpt")],
-        cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.time() + 60
-        while not (metrics.exists() and '"type": "train"' in metrics.read_text()) and time.time() < deadline:
-            time.sleep(0.2)
+    metrics_file = tmp_path / "ckpt" / "metrics.jsonl"
+    cmd = script("--device", "cpu", "--processed_data_dir", tmp_path / "train", "--validation_data_dir",
+                 tmp_path / "val", "--batch_size", "2", "--num_epochs", "50", "--val_every_iters", "0",
+                 "--checkpoint_dir", "ckpt")
+    with background(cmd, tmp_path) as proc:
+        wait_for_step(metrics_file, 1, timeout=60)
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == rt.EXIT_PREEMPTED, out[-4000:]
     ckpt = torch.load(tmp_path / "ckpt" / "vjepa2_interrupted.pt", weights_only=True)
     assert ckpt["global_step"] >= 1
     # val_loss is the last validation's, and absent when the stop came before the first one (the usual case)
-    vals = [json.loads(line) for line in metrics.read_text().splitlines() if '"type": "val"' in line]
+    vals = [json.loads(line) for line in metrics_file.read_text().splitlines() if '"type": "val"' in line]
     assert set(ckpt) == {"predictor", "global_step", "predictor_config"} | ({"val_loss"} if vals else set())
     if vals:
         assert ckpt["val_loss"] == vals[-1]["val_loss"]
