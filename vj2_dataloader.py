@@ -321,12 +321,15 @@ class VJ2TrajectoryDataset(Dataset):
 
     def __getitem__(self, index):
         f, row = self.locate(index)
-        emb, act = self.arrays(f)
-        T, _, _, A, C = self.geometry
         # np.array copies out of the map/cache (and fixes byte order) so the tensor owns writable memory
-        embeddings = torch.from_numpy(np.array(emb[row], dtype=self.dtype))
-        actions = torch.from_numpy(np.array(act[row], dtype=np.float32).reshape(T - 1, A * C))
-        return embeddings, actions
+        embeddings = torch.from_numpy(np.array(self.arrays(f)[0][row], dtype=self.dtype))
+        return embeddings, self.actions(index)
+
+    def actions(self, index):
+        """Trajectory `index`'s actions [T-1, A*C] alone, without reading its embeddings."""
+        f, row = self.locate(index)
+        T, _, _, A, C = self.geometry
+        return torch.from_numpy(np.array(self.arrays(f)[1][row], dtype=np.float32).reshape(T - 1, A * C))
 
     def arrays(self, f):
         """(embeddings, actions) arrays of file f: memory maps, or decompressed copies kept in a small LRU."""

@@ -179,7 +179,7 @@ class ShuffledActions(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, i):
-        return self.dataset[i][0], self.dataset[int(self.partner[i])][1]
+        return self.dataset[i][0], self.dataset.actions(int(self.partner[i]))
 
 
 def predictor_for(geometry, args):

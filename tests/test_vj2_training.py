@@ -130,6 +130,9 @@ def test_shuffled_actions_pair_every_trajectory_with_another():
 
         def __getitem__(self, i):
             return f"emb{i}", f"act{i}"
+
+        def actions(self, i):
+            return f"act{i}"
     shuffled = vj2.ShuffledActions(Items(), seed=0)
     partners = [int(shuffled[i][1][3:]) for i in range(7)]
     assert [shuffled[i][0] for i in range(7)] == [f"emb{i}" for i in range(7)]
