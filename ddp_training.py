@@ -1000,9 +1000,9 @@ class DDPTrainer:
                            f"RNG streams for another number of ranks)")
         for key, value in self._run_signature().items():
             if state["run"][key] != value:
-                raise StateMismatch(f"{path} was written with {key}={state['run'][key]}, this run has {key}={value}; "
-                                 f"resuming with a different {key} is refused (use --resume none to start "
-                                 f"fresh, or the original setting)")
+                raise StateMismatch(f"{path} was written with {key}={state['run'][key]}, this run has "
+                                    f"{key}={value}; resuming with a different {key} is refused (use --resume "
+                                    f"none to start fresh, or the original setting)")
         self.raw_model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
