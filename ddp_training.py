@@ -443,6 +443,35 @@ class BatchError:
     counted: bool = True  # False for the extra pieces of a failed batch split after an OOM
 
 
+class StepTally:
+    """What one rank's micro-steps of an optimizer step add up to (loss sum, sample count, whether a loss was
+    non-finite, the loss function's extra metrics), packed with the step's flags for the all-reduce."""
+
+    def __init__(self, device: torch.device):
+        self.loss_sum, self.count, self.nonfinite = (torch.zeros((), device=device, dtype=torch.float64)
+                                                     for _ in range(3))
+        self.extras: dict = {}
+
+    def add(self, s: torch.Tensor, c: torch.Tensor, extras: dict) -> None:
+        finite = torch.isfinite(s)
+        self.nonfinite = torch.maximum(self.nonfinite, (~finite).double())
+        self.loss_sum += torch.where(finite, s.double(), 0.0)
+        self.count += c.double()
+        for name, v in extras.items():
+            self.extras[name] = self.extras.get(name, 0.0) + torch.where(finite, v.double(), 0.0)
+
+    @property
+    def names(self) -> list:
+        return sorted(self.extras)
+
+    def packed(self, flags: list) -> torch.Tensor:
+        """[count, loss_sum, nonfinite, *flags, *extras by name]"""
+        flags = torch.tensor(flags, device=self.count.device, dtype=torch.float64)
+        extras = [self.extras[n] for n in self.names]
+        return torch.cat([torch.stack([self.count, self.loss_sum, self.nonfinite]), flags,
+                          torch.stack(extras) if extras else flags[:0]])
+
+
 def next_batch(batches) -> Any:
     try:
         return next(batches)
@@ -669,8 +698,9 @@ class DDPTrainer:
 
     # -- one optimizer step -----------------------------------------------------
 
-    def _forward_backward(self, batch, last: bool, weight: float):
-        """One micro-step. Non-final micro-steps accumulate locally; only the last all-reduces."""
+    def _forward_backward(self, batch, last: bool, weight: float, before_backward: Callable) -> None:
+        """One micro-step. Non-final micro-steps accumulate locally; only the last all-reduces.
+        `before_backward(loss_sum, count, extras, last)` gets the weighted outputs of the forward."""
         model = self.model
         batch = to_device(batch, self.env.device, self.non_blocking)
         # static_graph records the graph in DDP's first backward, which must all-reduce: that step syncs
@@ -680,6 +710,9 @@ class DDPTrainer:
         with sync:
             with self._autocast():
                 out = self.loss_fn(model, batch)
+            extras = out[2] if len(out) > 2 else {}
+            before_backward(out[0].detach() * weight, torch.as_tensor(out[1], device=self.env.device) * weight,
+                            {k: v.detach() * weight for k, v in extras.items()}, last)
             # Scaling by a constant that is equal on all ranks keeps DDP's average a plain
             # sum; the true 1/global_count is applied once all counts are known.
             scaled = out[0].float() * (weight / self.cfg.batch_size)
@@ -688,25 +721,34 @@ class DDPTrainer:
             except Exception as exc:
                 exc.ddp_phase = "backward"
                 raise
-        extras = out[2] if len(out) > 2 else {}
-        return (out[0].detach() * weight, torch.as_tensor(out[1], device=self.env.device) * weight,
-                {k: v.detach() * weight for k, v in extras.items()})
 
     def _train_step(self, micro_batches: list, stop_signal: rt.StopSignal) -> dict:
         """Forward/backward over the accumulation window, one small all-reduce of
         [count, loss, flags..., extras...], then a step that all ranks agree on.
 
-        A rank whose batch failed to load, or whose forward raised, replays a batch it
-        loaded earlier with weight zero: its collectives still match the other ranks', it
-        adds nothing to the gradient or the counts, and the error reaches every rank through
-        the same all-reduce instead of leaving them waiting in a collective."""
+        That all-reduce is launched as soon as the last forward has run, so it travels while the last
+        backward computes and all-reduces the gradients, instead of adding a round trip after them.
+
+        A rank whose batch failed to load, or whose forward raised, replays a batch it loaded earlier with
+        weight zero: its collectives still match the other ranks', it adds nothing to the gradient or the
+        counts, and the error reaches every rank through the same all-reduce instead of leaving them waiting
+        in a collective. An error in the last backward comes after that all-reduce has left: the replay then
+        has weight NaN, which makes the averaged gradients non-finite on every rank, and non-finite gradients
+        (rare: only then) make the ranks exchange a second small all-reduce that says why."""
         self.model.train()
-        dev = self.env.device
-        loss_sum = torch.zeros((), device=dev, dtype=torch.float64)
-        count = torch.zeros((), device=dev, dtype=torch.float64)
-        nonfinite = torch.zeros((), device=dev, dtype=torch.float64)
-        extras: dict = {}
-        data_errors, fatal, oom = 0, None, False
+        tally = StepTally(self.env.device)
+        agreement = None  # waits for the launched all-reduce and returns it
+        data_errors, fatal, oom, late_failure = 0, None, False, False
+
+        def before_backward(s, c, ex, last):
+            nonlocal agreement
+            if agreement is not None:  # the replay of a failed last backward: nothing more to count
+                return
+            tally.add(s, c, ex)
+            if last:
+                flags = [stop_signal.received is not None, data_errors, fatal is not None, oom]
+                agreement = rt.start_all_reduce(tally.packed(flags))
+
         for k, batch in enumerate(micro_batches):
             last = k == len(micro_batches) - 1
             weight = 1.0
@@ -722,7 +764,7 @@ class DDPTrainer:
             if fatal or oom:  # this step is lost: keep the collectives, skip the work
                 batch, weight = self._tiny_spare(), 0.0
             try:
-                s, c, ex = self._forward_backward(batch, last, weight)
+                self._forward_backward(batch, last, weight, before_backward)
             except Exception as exc:
                 if fatal is not None or oom:
                     raise
@@ -735,51 +777,41 @@ class DDPTrainer:
                     self.log.error("step %d raised on this rank: %s", self.global_step + 1, traceback.format_exc())
                 if self.env.device.type == "cuda":
                     torch.cuda.empty_cache()
-                s, c, ex = self._forward_backward(self._tiny_spare(), last, 0.0)
-            finite = torch.isfinite(s)
-            nonfinite = torch.maximum(nonfinite, (~finite).double())
-            loss_sum += torch.where(finite, s.double(), 0.0)
-            count += c.double()
-            for name, v in ex.items():
-                extras[name] = extras.get(name, 0.0) + torch.where(finite, v.double(), 0.0)
+                late_failure = agreement is not None
+                self._forward_backward(self._tiny_spare(), last, float("nan") if late_failure else 0.0,
+                                       before_backward)
         unused = self._unused_parameters()
 
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         params = [p for p in self.raw_model.parameters() if p.grad is not None]
         raw_norm = torch.nn.utils.get_total_norm([p.grad for p in params]).double()
-        grad_bad = ~torch.isfinite(raw_norm)
-        if self.scaler is None:  # with a GradScaler, inf gradients are its normal business
-            nonfinite = torch.maximum(nonfinite, grad_bad.double())
-        flags = torch.tensor([stop_signal.received is not None, data_errors, fatal is not None, bool(unused), oom],
-                             device=dev, dtype=torch.float64)
-        names = sorted(extras)
-        packed = torch.cat([torch.stack([count, loss_sum, nonfinite]), flags,
-                            torch.stack([extras[n] for n in names]) if names else flags[:0]])
-        reduced = rt.all_reduce_tensor(packed).tolist()
-        g_count, g_loss, g_nonfinite, g_stop, g_data_errors, g_fatal, g_unused, g_oom = reduced[:8]
-        if g_fatal or g_unused:
+        # one host sync for the agreement and the norm together
+        *reduced, raw_norm_value = torch.cat([agreement().to(raw_norm.device), raw_norm.reshape(1)]).tolist()
+        g_count, g_loss, g_nonfinite, g_stop, g_data_errors, g_fatal, g_oom = reduced[:7]
+        # DDP averaged the gradients, so every rank sees the same norm and takes this branch with the others
+        grad_bad = not math.isfinite(raw_norm_value)
+        g_late, g_unused = rt.all_reduce_floats([late_failure, bool(unused)]) if grad_bad or unused else (0, 0)
+        if g_fatal or g_late or g_unused:
             self._raise_collectively(fatal or (f"parameters without gradients: {', '.join(unused)}"
-                                               if unused else None), save=bool(g_fatal))
+                                               if unused else None), save=bool(g_fatal or g_late))
         if g_data_errors:
             self._count_data_errors(int(g_data_errors))
         result = {"count": g_count, "loss": g_loss / max(g_count, 1.0), "stop": g_stop > 0,
-                  "extras": {n: v / max(g_count, 1.0) for n, v in zip(names, reduced[8:])}}
+                  "extras": {n: v / max(g_count, 1.0) for n, v in zip(tally.names, reduced[7:])}}
 
-        skip = g_oom or g_nonfinite > 0 or g_count == 0 or (self.scaler is not None and bool(grad_bad))
-        if skip:
+        # with a GradScaler, inf gradients are its normal business, not a non-finite step
+        nonfinite = (g_nonfinite > 0 or (grad_bad and self.scaler is None)) and not g_oom
+        if g_oom or g_nonfinite > 0 or grad_bad or g_count == 0:
             self.optimizer.zero_grad(set_to_none=True)
             if self.scaler:
                 self.scaler.update()
-            result.update(skipped=True, nonfinite=g_nonfinite > 0 and not g_oom, grad_norm=float("nan"),
-                          retry=bool(g_oom))
+            result.update(skipped=True, nonfinite=nonfinite, grad_norm=float("nan"), retry=bool(g_oom))
             return result
         # DDP averaged the per-rank sums: grad = (1/W) sum S / B. Make it sum S / N.
         factor = self.env.world_size * self.cfg.batch_size / g_count
-        norm = raw_norm * factor
-        coef = factor
-        if self.cfg.grad_clip > 0:
-            coef = (factor * torch.clamp(self.cfg.grad_clip / (norm + 1e-6), max=1.0)).float()
+        norm = raw_norm_value * factor
+        coef = factor * (min(self.cfg.grad_clip / (norm + 1e-6), 1.0) if self.cfg.grad_clip > 0 else 1.0)
         torch._foreach_mul_([p.grad for p in params], coef)
         if self.scaler:
             self.scaler.step(self.optimizer)
@@ -788,7 +820,7 @@ class DDPTrainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        result.update(skipped=False, nonfinite=False, grad_norm=float(norm))
+        result.update(skipped=False, nonfinite=False, grad_norm=norm)
         return result
 
     def _tiny_spare(self):

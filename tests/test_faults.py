@@ -2,6 +2,7 @@
 every fault ends in the same decision on every rank at the same step, with its cause named."""
 
 import json
+import math
 import os
 import signal
 import time
@@ -12,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import ddp_runtime as rt
-from conftest import Indices, background, clean_env, torchrun, torchrun_workers, wait_for_step
+from conftest import Indices, background, metrics, clean_env, torchrun, torchrun_workers, wait_for_step
 from dist_helpers import spawn
 from ddp_training import CausalLM, DDPTrainer, TrainConfig, lm_loss, synthetic_lm_data
 
@@ -44,6 +45,8 @@ class OnRank:
                 raise ValueError("injected failure in forward")
             if self.what == "raise_in_backward":
                 return RaiseInBackward.apply(s, RuntimeError("injected failure in backward")), c
+            if self.what == "inf_gradient":
+                return InfGradient.apply(s), c
             if self.what == "exit":
                 os._exit(3)
         return s, c
@@ -60,6 +63,18 @@ class RaiseInBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         raise ctx.error
+
+
+class InfGradient(torch.autograd.Function):
+    """Identity forward (a finite loss); the backward sends an infinite gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * float("inf")
 
 
 def _run(rank, world_size, root, bad_rank, step, what, extra=None):
@@ -106,6 +121,25 @@ def test_failure_in_backward_on_one_rank_is_named_on_the_other(tmp_path):
     assert "injected failure in backward" in r1["error"]
     assert "rank 1" in r0["error"] and "injected failure in backward" in r0["error"], r0
     assert r0["seconds"] < 30
+
+
+def test_failure_in_an_accumulating_backward_is_named_on_the_other(tmp_path):
+    # forward 7 is the first of two micro-steps of step 4: it fails before the step's all-reduce leaves
+    r0, r1 = spawn(_run, 2, str(tmp_path), 1, 7, "raise_in_backward", {"grad_accum_steps": 2}, timeout=60)
+    for r in (r0, r1):
+        assert r["error"].startswith("StepFailed: step 4 failed on rank 1: RuntimeError in backward: injected"), r
+
+
+def test_infinite_gradient_with_a_finite_loss_on_one_rank_skips_the_step_everywhere(tmp_path):
+    # the loss agreed on is finite: only the all-reduced gradients tell the ranks to skip
+    r0, r1 = spawn(_run, 2, str(tmp_path), 1, 3, "inf_gradient")
+    assert r0["status"] == r1["status"] == "completed" and r0["skipped"] == r1["skipped"] == 1
+    assert r0["digests"] == r1["digests"]
+    steps = metrics(tmp_path / "logs", "train")
+    assert [r["step"] for r in steps if r["skipped"]] == [3]
+    assert math.isfinite(steps[2]["loss"]) and steps[2]["step"] == 3
+    for rank in (0, 1):
+        assert "non-finite loss or gradients at step 3" in (tmp_path / "logs" / f"rank_{rank}.log").read_text()
 
 
 def test_a_rank_that_dies_does_not_hang_the_other(tmp_path):
