@@ -371,7 +371,7 @@ def scaling_run(args, nproc, run_dir, dataset_size):
 
 
 def bare_ddp_worker(rank, world_size, spec):
-    """One rank of the bare loop under DDP (gloo), sharded like the trainer; rank 0 writes its step times.
+    """One rank of the bare loop under DDP (gloo), sharded like the trainer; every rank writes its step times.
     With spec["independent"] the ranks share nothing: no process group, no DDP, each trains on its own shard
     (what N processes reach on this machine when communication costs nothing)."""
     torch.set_num_threads(spec["threads"])
@@ -387,8 +387,7 @@ def bare_ddp_worker(rank, world_size, spec):
         loader = rt.build_dataloader(data.train, cfg.batch_size, train=True, rank=rank, world_size=world_size,
                                      seed=cfg.seed)
         times, _ = bare_loop(model, raw, loader, cfg.max_steps, cfg)
-        if rank == 0:
-            Path(spec["out"]).write_text(json.dumps(times))
+        Path(spec["out"].format(rank=rank)).write_text(json.dumps(times))
     except BaseException:
         rt.teardown_distributed()
         raise
@@ -401,14 +400,18 @@ def bare_scaling_run(args, nproc, run_dir, cfg, independent=False):
     --nproc does for the trainer); one process runs without a process group, like the trainer's."""
     import benchmark  # the ranks import this module by name, also when it runs as __main__
     run_dir.mkdir(parents=True)
-    spec = {"threads": args.threads, "cfg": cfg, "out": str(run_dir / "times.json"), "independent": independent}
+    spec = {"threads": args.threads, "cfg": cfg, "out": str(run_dir / "times_rank{rank}.json"),
+            "independent": independent}
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the ranks keep the thread count they are given
     start = time.perf_counter()
     rc = spawn_local(nproc, spec, worker=benchmark.bare_ddp_worker)
     if rc:
         raise RuntimeError(f"the bare loop on {nproc} processes exited {rc}")
     wall = time.perf_counter() - start
-    steps_per_s = steady_rate(json.loads(Path(spec["out"]).read_text()), args.warmup)
+    # Synchronous training runs at the pace of its slowest rank: that is what the ranks that share nothing
+    # can bound (under DDP the ranks keep pace with each other, so their rates agree)
+    steps_per_s = min(steady_rate(json.loads(Path(spec["out"].format(rank=r)).read_text()), args.warmup)
+                      for r in range(nproc))
     return {"wall_s": wall, "timed_s": args.steps / steps_per_s, "samples_per_s": steps_per_s * args.batch_size * nproc}
 
 

@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import psutil
@@ -228,25 +228,14 @@ def _comm_device() -> torch.device:
     return torch.device("cpu")
 
 
-def all_reduce_tensor(values: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """All-reduce a small tensor and return it on the CPU; identity for a single process."""
-    return start_all_reduce(values, op)().cpu()
-
-
-def start_all_reduce(values: torch.Tensor, op=dist.ReduceOp.SUM) -> Callable[[], torch.Tensor]:
-    """Launch the all-reduce of a small tensor (as float64) and return a function that waits for it and
-    returns the result, on the communication device; identity for a single process. Every rank must
-    launch its collectives in the same order, the ones DDP launches in backward included."""
-    if not (dist.is_available() and dist.is_initialized()):
-        t = values.detach().to(torch.float64)
-        return lambda: t
-    t = values.detach().to(_comm_device(), dtype=torch.float64)
-    work = dist.all_reduce(t, op=op, async_op=True)
-
-    def result() -> torch.Tensor:
-        work.wait()
-        return t
-    return result
+def all_reduce_tensor(values: torch.Tensor, op=dist.ReduceOp.SUM, on_device: bool = False) -> torch.Tensor:
+    """All-reduce a small tensor as float64; identity for a single process. The result comes back on the
+    CPU, or with `on_device` on the device of `values` (no host sync on a GPU)."""
+    t = values.detach().to(torch.float64)
+    if dist.is_available() and dist.is_initialized():
+        t = t.to(_comm_device())
+        dist.all_reduce(t, op=op)
+    return t.to(values.device) if on_device else t.cpu()
 
 
 def all_reduce_floats(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:

@@ -698,9 +698,8 @@ class DDPTrainer:
 
     # -- one optimizer step -----------------------------------------------------
 
-    def _forward_backward(self, batch, last: bool, weight: float, before_backward: Callable) -> None:
-        """One micro-step. Non-final micro-steps accumulate locally; only the last all-reduces.
-        `before_backward(loss_sum, count, extras, last)` gets the weighted outputs of the forward."""
+    def _forward_backward(self, batch, last: bool, weight: float):
+        """One micro-step. Non-final micro-steps accumulate locally; only the last all-reduces."""
         model = self.model
         batch = to_device(batch, self.env.device, self.non_blocking)
         # static_graph records the graph in DDP's first backward, which must all-reduce: that step syncs
@@ -710,9 +709,6 @@ class DDPTrainer:
         with sync:
             with self._autocast():
                 out = self.loss_fn(model, batch)
-            extras = out[2] if len(out) > 2 else {}
-            before_backward(out[0].detach() * weight, torch.as_tensor(out[1], device=self.env.device) * weight,
-                            {k: v.detach() * weight for k, v in extras.items()}, last)
             # Scaling by a constant that is equal on all ranks keeps DDP's average a plain
             # sum; the true 1/global_count is applied once all counts are known.
             scaled = out[0].float() * (weight / self.cfg.batch_size)
@@ -721,34 +717,21 @@ class DDPTrainer:
             except Exception as exc:
                 exc.ddp_phase = "backward"
                 raise
+        extras = out[2] if len(out) > 2 else {}
+        return (out[0].detach() * weight, torch.as_tensor(out[1], device=self.env.device) * weight,
+                {k: v.detach() * weight for k, v in extras.items()})
 
     def _train_step(self, micro_batches: list, stop_signal: rt.StopSignal) -> dict:
         """Forward/backward over the accumulation window, one small all-reduce of
         [count, loss, flags..., extras...], then a step that all ranks agree on.
 
-        That all-reduce is launched as soon as the last forward has run, so it travels while the last
-        backward computes and all-reduces the gradients, instead of adding a round trip after them.
-
-        A rank whose batch failed to load, or whose forward raised, replays a batch it loaded earlier with
-        weight zero: its collectives still match the other ranks', it adds nothing to the gradient or the
-        counts, and the error reaches every rank through the same all-reduce instead of leaving them waiting
-        in a collective. An error in the last backward comes after that all-reduce has left: the replay then
-        has weight NaN, which makes the averaged gradients non-finite on every rank, and non-finite gradients
-        (rare: only then) make the ranks exchange a second small all-reduce that says why."""
+        A rank whose batch failed to load, or whose forward or backward raised, replays a batch it
+        loaded earlier with weight zero: its collectives still match the other ranks', it adds
+        nothing to the gradient or the counts, and the error reaches every rank through the same
+        all-reduce instead of leaving them waiting in a collective."""
         self.model.train()
         tally = StepTally(self.env.device)
-        agreement = None  # waits for the launched all-reduce and returns it
-        data_errors, fatal, oom, late_failure = 0, None, False, False
-
-        def before_backward(s, c, ex, last):
-            nonlocal agreement
-            if agreement is not None:  # the replay of a failed last backward: nothing more to count
-                return
-            tally.add(s, c, ex)
-            if last:
-                flags = [stop_signal.received is not None, data_errors, fatal is not None, oom]
-                agreement = rt.start_all_reduce(tally.packed(flags))
-
+        data_errors, fatal, oom = 0, None, False
         for k, batch in enumerate(micro_batches):
             last = k == len(micro_batches) - 1
             weight = 1.0
@@ -764,7 +747,7 @@ class DDPTrainer:
             if fatal or oom:  # this step is lost: keep the collectives, skip the work
                 batch, weight = self._tiny_spare(), 0.0
             try:
-                self._forward_backward(batch, last, weight, before_backward)
+                tally.add(*self._forward_backward(batch, last, weight))
             except Exception as exc:
                 if fatal is not None or oom:
                     raise
@@ -777,36 +760,36 @@ class DDPTrainer:
                     self.log.error("step %d raised on this rank: %s", self.global_step + 1, traceback.format_exc())
                 if self.env.device.type == "cuda":
                     torch.cuda.empty_cache()
-                late_failure = agreement is not None
-                self._forward_backward(self._tiny_spare(), last, float("nan") if late_failure else 0.0,
-                                       before_backward)
+                tally.add(*self._forward_backward(self._tiny_spare(), last, 0.0))
         unused = self._unused_parameters()
 
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         params = [p for p in self.raw_model.parameters() if p.grad is not None]
         raw_norm = torch.nn.utils.get_total_norm([p.grad for p in params]).double()
-        # one host sync for the agreement and the norm together
-        *reduced, raw_norm_value = torch.cat([agreement().to(raw_norm.device), raw_norm.reshape(1)]).tolist()
-        g_count, g_loss, g_nonfinite, g_stop, g_data_errors, g_fatal, g_oom = reduced[:7]
-        # DDP averaged the gradients, so every rank sees the same norm and takes this branch with the others
-        grad_bad = not math.isfinite(raw_norm_value)
-        g_late, g_unused = rt.all_reduce_floats([late_failure, bool(unused)]) if grad_bad or unused else (0, 0)
-        if g_fatal or g_late or g_unused:
+        grad_bad = ~torch.isfinite(raw_norm)
+        if self.scaler is None:  # with a GradScaler, inf gradients are its normal business
+            tally.nonfinite = torch.maximum(tally.nonfinite, grad_bad.double())
+        flags = [stop_signal.received is not None, data_errors, fatal is not None, bool(unused), oom]
+        reduced = rt.all_reduce_tensor(tally.packed(flags), on_device=True)
+        # one host sync per step, for the agreement and the norm together
+        *reduced, raw_norm_value = torch.cat([reduced, raw_norm.reshape(1)]).tolist()
+        g_count, g_loss, g_nonfinite, g_stop, g_data_errors, g_fatal, g_unused, g_oom = reduced[:8]
+        if g_fatal or g_unused:
             self._raise_collectively(fatal or (f"parameters without gradients: {', '.join(unused)}"
-                                               if unused else None), save=bool(g_fatal or g_late))
+                                               if unused else None), save=bool(g_fatal))
         if g_data_errors:
             self._count_data_errors(int(g_data_errors))
         result = {"count": g_count, "loss": g_loss / max(g_count, 1.0), "stop": g_stop > 0,
-                  "extras": {n: v / max(g_count, 1.0) for n, v in zip(tally.names, reduced[7:])}}
+                  "extras": {n: v / max(g_count, 1.0) for n, v in zip(tally.names, reduced[8:])}}
 
-        # with a GradScaler, inf gradients are its normal business, not a non-finite step
-        nonfinite = (g_nonfinite > 0 or (grad_bad and self.scaler is None)) and not g_oom
-        if g_oom or g_nonfinite > 0 or grad_bad or g_count == 0:
+        grad_bad = not math.isfinite(raw_norm_value)
+        if g_oom or g_nonfinite > 0 or g_count == 0 or (self.scaler is not None and grad_bad):
             self.optimizer.zero_grad(set_to_none=True)
             if self.scaler:
                 self.scaler.update()
-            result.update(skipped=True, nonfinite=nonfinite, grad_norm=float("nan"), retry=bool(g_oom))
+            result.update(skipped=True, nonfinite=g_nonfinite > 0 and not g_oom, grad_norm=float("nan"),
+                          retry=bool(g_oom))
             return result
         # DDP averaged the per-rank sums: grad = (1/W) sum S / B. Make it sum S / N.
         factor = self.env.world_size * self.cfg.batch_size / g_count

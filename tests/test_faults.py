@@ -124,14 +124,14 @@ def test_failure_in_backward_on_one_rank_is_named_on_the_other(tmp_path):
 
 
 def test_failure_in_an_accumulating_backward_is_named_on_the_other(tmp_path):
-    # forward 7 is the first of two micro-steps of step 4: it fails before the step's all-reduce leaves
+    # forward 7 is the first of two micro-steps of step 4: a replay must stand in for it and for the second
     r0, r1 = spawn(_run, 2, str(tmp_path), 1, 7, "raise_in_backward", {"grad_accum_steps": 2}, timeout=60)
     for r in (r0, r1):
         assert r["error"].startswith("StepFailed: step 4 failed on rank 1: RuntimeError in backward: injected"), r
 
 
 def test_infinite_gradient_with_a_finite_loss_on_one_rank_skips_the_step_everywhere(tmp_path):
-    # the loss agreed on is finite: only the all-reduced gradients tell the ranks to skip
+    # the losses are finite everywhere: only the gradients (averaged by DDP, so infinite on every rank) flag the step
     r0, r1 = spawn(_run, 2, str(tmp_path), 1, 3, "inf_gradient")
     assert r0["status"] == r1["status"] == "completed" and r0["skipped"] == r1["skipped"] == 1
     assert r0["digests"] == r1["digests"]
