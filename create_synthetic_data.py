@@ -175,8 +175,9 @@ def write_file(path, world, rng, n, steps, actions_per_step, channels, dtype, co
 def check_geometry(steps, patches, embed_dim, actions_per_step, channels):
     if steps < 2:
         raise ValueError(f"--num_steps must be >= 2 (actions live between steps), got {steps}")
-    if channels < 3:
-        raise ValueError(f"--action_channels must be >= 3 for [x, y, touch], got {channels}")
+    names = config.ACTION_CHANNEL_NAMES
+    if channels < len(names):
+        raise ValueError(f"--action_channels must be >= {len(names)} for [{', '.join(names)}], got {channels}")
     if min(patches, embed_dim, actions_per_step) < 1:
         raise ValueError(f"--patches, --embed_dim and --actions_per_step must be >= 1, "
                          f"got {patches}, {embed_dim}, {actions_per_step}")

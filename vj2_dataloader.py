@@ -81,19 +81,23 @@ class Member(NamedTuple):
 
 @dataclass(frozen=True)
 class FileInfo:
+    """A validated file: its path and its two members; everything else follows from their headers."""
     path: Path
-    n: int
-    steps: int
-    patches: int
-    embed_dim: int
-    actions_per_step: int
-    channels: int
-    dtypes: dict  # key -> dtype name as stored
     members: dict = field(repr=False)  # key -> Member
 
     @property
+    def n(self):
+        return self.members["embeddings"].shape[0]
+
+    @property
     def geometry(self):
-        return Geometry(self.steps, self.patches, self.embed_dim, self.actions_per_step, self.channels)
+        _, steps, patches, embed_dim = self.members["embeddings"].shape
+        return Geometry(steps, patches, embed_dim, *self.members["actions"].shape[2:])
+
+    @property
+    def dtypes(self):
+        """key -> dtype name as stored"""
+        return {k: m.dtype.name for k, m in self.members.items()}
 
     @property
     def mappable(self):
@@ -128,9 +132,7 @@ def validate_npz(path, max_ratio=MAX_COMPRESSION_RATIO, max_bytes=MAX_ARRAY_BYTE
         raise
     except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, NotImplementedError) as e:
         raise DataFileError(f"{path}: not a readable .npz archive ({type(e).__name__}: {e})") from e
-    n, steps, patches, embed_dim = members["embeddings"].shape
-    return FileInfo(path, n, steps, patches, embed_dim, *members["actions"].shape[2:],
-                    dtypes={k: m.dtype.name for k, m in members.items()}, members=members)
+    return FileInfo(path, members)
 
 
 def check_zip_magic(path):
