@@ -82,7 +82,7 @@ class TrainConfig:
     dist_timeout: float = rt.DEFAULT_DIST_TIMEOUT_S   # seconds a collective may wait after the first step
     first_step_timeout: float = 0.0     # > dist_timeout: a longer wait for the first step (compilation, warm-up)
     find_unused_parameters: bool = False
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: Optional[float] = None  # DDP gradient bucket size; None = DDP's (25 MiB, the first one 1 MiB)
     static_graph: Optional[bool] = None  # DDP static_graph; None = on for models that declare static_graph = True
     compile: bool = False               # torch.compile the model (before the DDP wrap)
     # evaluation and stopping
@@ -142,7 +142,7 @@ class TrainConfig:
             if getattr(self, key) < 0:
                 raise ValueError(f"config key {key!r} must be >= 0, got {getattr(self, key)}")
         for key in ("learning_rate", "bucket_cap_mb"):
-            if not getattr(self, key) > 0:
+            if getattr(self, key) is not None and not getattr(self, key) > 0:
                 raise ValueError(f"config key {key!r} must be > 0, got {getattr(self, key)}")
         for key in ("val_fraction", "test_fraction"):
             if not 0 <= getattr(self, key) < 1:

@@ -179,6 +179,9 @@ def test_cli_precedence_defaults_yaml_flags(tmp_path):
     args = build_arg_parser().parse_args(["--config", str(cfg_file), "--lr", "0.5", "--target_loss", "none"])
     cfg = config_from_args(args)
     assert cfg["learning_rate"] == 0.5 and cfg["target_loss"] is None and cfg["batch_size"] == 8
+    assert cfg.get("bucket_cap_mb") is None  # DDP's own bucketing unless asked
+    cfg = config_from_args(build_arg_parser().parse_args(["--bucket_cap_mb", "4"]))
+    assert cfg["bucket_cap_mb"] == 4.0
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -189,6 +192,7 @@ def test_cli_precedence_defaults_yaml_flags(tmp_path):
     (["--lr_schedule", "linear"], "'lr_schedule' must be one of"),
     (["--max_steps", "-3"], "'max_steps' must be >= 0, got -3"),
     (["--lr", "0"], "'learning_rate' must be > 0, got 0.0"),
+    (["--bucket_cap_mb", "0"], "'bucket_cap_mb' must be > 0, got 0.0"),
     (["--val_fraction", "1.5"], "'val_fraction' must be in [0, 1)"),
 ])
 def test_cli_bad_input_exits_2_with_a_clear_message(tmp_path, argv, message):
