@@ -653,6 +653,15 @@ def consumer_rate(args, data_dir):
             "samples_per_s": args.batch_size / step_s, "step_s_runs": times[1:]}
 
 
+def validation_rate(data_dir, repeats=3):
+    """How fast VJ2TrajectoryDataset validates its files at start-up (headers, shapes, a NaN/inf scan of every
+    value), from the page cache (the files were just written): median of `repeats`."""
+    from vj2_dataloader import VJ2TrajectoryDataset
+    size = sum(f.stat().st_size for f in Path(data_dir).glob("*.npz"))
+    seconds = timed(lambda: VJ2TrajectoryDataset(data_dir), repeats)
+    return {"bytes": size, "seconds": seconds, "gib_per_s": size / 2**30 / seconds, "repeats": repeats}
+
+
 def link_subset(files, dest):
     dest.mkdir()
     for f in files:
@@ -687,6 +696,8 @@ def cmd_loader(args):
             f"in {time.perf_counter() - start:.1f}s")
         link_subset(files[:args.files], tmp / "1x")
         sets = {"1x": tmp / "1x", "3x": tmp / "all"}
+        validation = validation_rate(sets["3x"])
+        say(f"start-up validation: {validation['gib_per_s']:.2f} GiB/s")
         consumer = consumer_rate(args, sets["3x"])
         say(f"training step: {consumer['samples_per_s']:.2f} samples/s ({consumer['model']})")
         base = dict(batch_size=args.batch_size, max_open_files=args.max_open_files, warm_epochs=args.warm_epochs,
@@ -701,7 +712,7 @@ def cmd_loader(args):
             rates.append(r)
             say(f"loader, {w} workers: cold {r['cold_samples_per_s']:.1f}, warm {r['warm_samples_per_s']:.1f} "
                 f"samples/s")
-    out.update(consumer=consumer, loader=rates, memory=memory)
+    out.update(consumer=consumer, loader=rates, memory=memory, validation=validation)
     # verdicts: throughput with one worker (cold cache, the pessimistic case); memory: the largest per-process
     # peak of non-file-backed memory must not grow from the 1x to the 3x dataset (16 MiB + 10% slack)
     one = next((r for r in rates if r["workers"] == 1), None)
@@ -726,7 +737,9 @@ def cmd_loader(args):
     t2 = markdown(["dataset", "MiB", "workers", "process", "peak RSS MiB", "peak anon MiB", "peak USS MiB"], rows)
     traj_mib = 2 * args.steps * args.patches * args.embed_dim / 2**20
     table = (f"training step: {consumer['samples_per_s']:.2f} samples/s ({consumer['step_s']:.3f} s/step, "
-             f"{consumer['threads']} threads): {consumer['model']}\n\n{t1}\n\n"
+             f"{consumer['threads']} threads): {consumer['model']}\n\n"
+             f"start-up validation of the 3x dataset (every rank does it): {validation['bytes'] / 2**20:.0f} MiB in "
+             f"{validation['seconds']:.3f} s, {validation['gib_per_s']:.2f} GiB/s from the page cache\n\n{t1}\n\n"
              f"target: one worker >= {TARGET_LOADER_MARGIN:g}x the step's rate (cold cache): "
              f"{'met' if out['meets_rate_target'] else 'missed' if one else 'not measured (no 1-worker run)'}\n\n"
              f"{t2}\n\nanon = rss - shared (psutil): memory that is neither file-backed nor shared; mapped file "

@@ -92,6 +92,9 @@ def test_loader(tmp_path):
     assert "AC predictor" in consumer["model"] or "LM" in consumer["model"]
     positive(consumer["step_s"], consumer["samples_per_s"])
     assert close(consumer["samples_per_s"], consumer["batch_size"] / consumer["step_s"])
+    v = out["validation"]
+    positive(v["bytes"], v["seconds"], v["gib_per_s"])
+    assert close(v["gib_per_s"], v["bytes"] / 2**30 / v["seconds"]) and v["repeats"] == 3
     assert [r["workers"] for r in out["loader"]] == [0, 1]
     for r in out["loader"]:
         assert r["trajectories"] == 18 and r["samples_per_epoch"] == 18 and r["evicted"] in (True, False)
