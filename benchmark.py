@@ -387,7 +387,7 @@ def bare_ddp_worker(rank, world_size, spec):
         loader = rt.build_dataloader(data.train, cfg.batch_size, train=True, rank=rank, world_size=world_size,
                                      seed=cfg.seed)
         times, _ = bare_loop(model, raw, loader, cfg.max_steps, cfg)
-        Path(spec["out"].format(rank=rank)).write_text(json.dumps(times))
+        (Path(spec["out"]) / f"times_rank{rank}.json").write_text(json.dumps(times))
     except BaseException:
         rt.teardown_distributed()
         raise
@@ -400,8 +400,7 @@ def bare_scaling_run(args, nproc, run_dir, cfg, independent=False):
     --nproc does for the trainer); one process runs without a process group, like the trainer's."""
     import benchmark  # the ranks import this module by name, also when it runs as __main__
     run_dir.mkdir(parents=True)
-    spec = {"threads": args.threads, "cfg": cfg, "out": str(run_dir / "times_rank{rank}.json"),
-            "independent": independent}
+    spec = {"threads": args.threads, "cfg": cfg, "out": str(run_dir), "independent": independent}
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the ranks keep the thread count they are given
     start = time.perf_counter()
     rc = spawn_local(nproc, spec, worker=benchmark.bare_ddp_worker)
@@ -410,7 +409,7 @@ def bare_scaling_run(args, nproc, run_dir, cfg, independent=False):
     wall = time.perf_counter() - start
     # Synchronous training runs at the pace of its slowest rank: that is what the ranks that share nothing
     # can bound (under DDP the ranks keep pace with each other, so their rates agree)
-    steps_per_s = min(steady_rate(json.loads(Path(spec["out"].format(rank=r)).read_text()), args.warmup)
+    steps_per_s = min(steady_rate(json.loads((run_dir / f"times_rank{r}.json").read_text()), args.warmup)
                       for r in range(nproc))
     return {"wall_s": wall, "timed_s": args.steps / steps_per_s, "samples_per_s": steps_per_s * args.batch_size * nproc}
 
@@ -443,7 +442,8 @@ def cmd_scaling(args):
                           dataset_size=dataset_size, backend="gloo",
                           launcher="python ddp_training.py --cpu --nproc N (torch.multiprocessing spawn, free port)"),
            "timed": (f"steps {args.warmup + 1}..{total}: from the end of step {args.warmup} to the end of step {total} "
-                     f"on rank 0 (the trainer's metrics.jsonl 'time' field; the bare loop's own clock); wall time: "
+                     f"on rank 0 (the trainer's metrics.jsonl 'time' field), on every rank by its own clock for the "
+                     f"bare loops, of which the slowest counts (the DDP ranks keep pace anyway); wall time: "
                      f"the trainer's whole command (start-up, data, training, final validation and checkpoint), the "
                      f"bare loop's spawned processes (start-up, data, training)")}
     bare_cfg = dict(lm_config(args), batch_size=args.batch_size, dataset_size=dataset_size, max_steps=total,

@@ -230,7 +230,7 @@ def _comm_device() -> torch.device:
 
 def all_reduce_tensor(values: torch.Tensor, op=dist.ReduceOp.SUM, on_device: bool = False) -> torch.Tensor:
     """All-reduce a small tensor as float64; identity for a single process. The result comes back on the
-    CPU, or with `on_device` on the device of `values` (no host sync on a GPU)."""
+    CPU, or with `on_device` on the device of `values` (with NCCL, no host sync on a GPU)."""
     t = values.detach().to(torch.float64)
     if dist.is_available() and dist.is_initialized():
         t = t.to(_comm_device())

@@ -452,11 +452,13 @@ class StepTally:
                                                      for _ in range(3))
         self.extras: dict = {}
 
-    def add(self, s: torch.Tensor, c: torch.Tensor, extras: dict) -> None:
+    def add(self, s: torch.Tensor, c, extras: dict) -> None:
+        """`c` is a tensor or a Python number: a number is added as a kernel argument, without copying it to
+        the device (on a GPU a blocking copy would wait for every queued kernel)."""
         finite = torch.isfinite(s)
         self.nonfinite = torch.maximum(self.nonfinite, (~finite).double())
         self.loss_sum += torch.where(finite, s.double(), 0.0)
-        self.count += c.double()
+        self.count += c.double() if torch.is_tensor(c) else c
         for name, v in extras.items():
             self.extras[name] = self.extras.get(name, 0.0) + torch.where(finite, v.double(), 0.0)
 
@@ -466,7 +468,8 @@ class StepTally:
 
     def packed(self, flags: list) -> torch.Tensor:
         """[count, loss_sum, nonfinite, *flags, *extras by name]"""
-        flags = torch.tensor(flags, device=self.count.device, dtype=torch.float64)
+        dev = self.count.device  # from pinned memory the copy is queued, not waited for
+        flags = torch.tensor(flags, dtype=torch.float64, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
         extras = [self.extras[n] for n in self.names]
         return torch.cat([torch.stack([self.count, self.loss_sum, self.nonfinite]), flags,
                           torch.stack(extras) if extras else flags[:0]])
@@ -718,8 +721,8 @@ class DDPTrainer:
                 exc.ddp_phase = "backward"
                 raise
         extras = out[2] if len(out) > 2 else {}
-        return (out[0].detach() * weight, torch.as_tensor(out[1], device=self.env.device) * weight,
-                {k: v.detach() * weight for k, v in extras.items()})
+        count = out[1].detach() if torch.is_tensor(out[1]) else float(out[1])
+        return out[0].detach() * weight, count * weight, {k: v.detach() * weight for k, v in extras.items()}
 
     def _train_step(self, micro_batches: list, stop_signal: rt.StopSignal) -> dict:
         """Forward/backward over the accumulation window, one small all-reduce of
@@ -772,8 +775,8 @@ class DDPTrainer:
             tally.nonfinite = torch.maximum(tally.nonfinite, grad_bad.double())
         flags = [stop_signal.received is not None, data_errors, fatal is not None, bool(unused), oom]
         reduced = rt.all_reduce_tensor(tally.packed(flags), on_device=True)
-        # one host sync per step, for the agreement and the norm together
-        *reduced, raw_norm_value = torch.cat([reduced, raw_norm.reshape(1)]).tolist()
+        # the agreement and the norm come back together: with NCCL the step's one host sync (a GradScaler adds its own)
+        *reduced, raw_norm_value = torch.cat([reduced, raw_norm.reshape(1).to(reduced.device)]).tolist()
         g_count, g_loss, g_nonfinite, g_stop, g_data_errors, g_fatal, g_unused, g_oom = reduced[:8]
         if g_fatal or g_unused:
             self._raise_collectively(fatal or (f"parameters without gradients: {', '.join(unused)}"
@@ -794,7 +797,8 @@ class DDPTrainer:
         # DDP averaged the per-rank sums: grad = (1/W) sum S / B. Make it sum S / N.
         factor = self.env.world_size * self.cfg.batch_size / g_count
         norm = raw_norm_value * factor
-        coef = factor * (min(self.cfg.grad_clip / (norm + 1e-6), 1.0) if self.cfg.grad_clip > 0 else 1.0)
+        # clip * (1 / x), not clip / x: what the tensor version before it computed, so resumed runs stay bit-identical
+        coef = factor * (min(self.cfg.grad_clip * (1.0 / (norm + 1e-6)), 1.0) if self.cfg.grad_clip > 0 else 1.0)
         torch._foreach_mul_([p.grad for p in params], coef)
         if self.scaler:
             self.scaler.step(self.optimizer)

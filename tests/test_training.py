@@ -179,7 +179,7 @@ def test_cli_precedence_defaults_yaml_flags(tmp_path):
     args = build_arg_parser().parse_args(["--config", str(cfg_file), "--lr", "0.5", "--target_loss", "none"])
     cfg = config_from_args(args)
     assert cfg["learning_rate"] == 0.5 and cfg["target_loss"] is None and cfg["batch_size"] == 8
-    assert cfg.get("bucket_cap_mb") is None  # DDP's own bucketing unless asked
+    assert TrainConfig.from_dict(cfg).bucket_cap_mb is None  # DDP's own bucketing unless asked
     cfg = config_from_args(build_arg_parser().parse_args(["--bucket_cap_mb", "4"]))
     assert cfg["bucket_cap_mb"] == 4.0
 
