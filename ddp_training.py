@@ -770,9 +770,8 @@ class DDPTrainer:
             self.scaler.unscale_(self.optimizer)
         params = [p for p in self.raw_model.parameters() if p.grad is not None]
         raw_norm = torch.nn.utils.get_total_norm([p.grad for p in params]).double()
-        grad_bad = ~torch.isfinite(raw_norm)
         if self.scaler is None:  # with a GradScaler, inf gradients are its normal business
-            tally.nonfinite = torch.maximum(tally.nonfinite, grad_bad.double())
+            tally.nonfinite = torch.maximum(tally.nonfinite, (~torch.isfinite(raw_norm)).double())
         flags = [stop_signal.received is not None, data_errors, fatal is not None, bool(unused), oom]
         reduced = rt.all_reduce_tensor(tally.packed(flags), on_device=True)
         # the agreement and the norm come back together: with NCCL the step's one host sync (a GradScaler adds its own)
@@ -786,8 +785,8 @@ class DDPTrainer:
         result = {"count": g_count, "loss": g_loss / max(g_count, 1.0), "stop": g_stop > 0,
                   "extras": {n: v / max(g_count, 1.0) for n, v in zip(tally.names, reduced[8:])}}
 
-        grad_bad = not math.isfinite(raw_norm_value)
-        if g_oom or g_nonfinite > 0 or g_count == 0 or (self.scaler is not None and grad_bad):
+        scaler_overflow = self.scaler is not None and not math.isfinite(raw_norm_value)
+        if g_oom or g_nonfinite > 0 or g_count == 0 or scaler_overflow:
             self.optimizer.zero_grad(set_to_none=True)
             if self.scaler:
                 self.scaler.update()
