@@ -146,6 +146,13 @@ def steady_rate(times, warmup):
     return steps / (times[-1] - times[warmup - 1])
 
 
+def step_spread_ms(times, warmup):
+    """Standard deviation of the timed steps' durations in ms: how much one step varies, which a synchronous
+    step pays as the wait for the slower rank."""
+    durations = [b - a for a, b in zip(times[warmup - 1:], times[warmup:])]
+    return statistics.pstdev(durations) * 1000 if len(durations) > 1 else 0.0
+
+
 def metrics_times(log_dir):
     """End time of each training step (seconds since the loop started) from the trainer's metrics.jsonl."""
     recs = training_logs.read_metrics(Path(log_dir) / training_logs.METRICS_FILE)
@@ -367,7 +374,7 @@ def scaling_run(args, nproc, run_dir, dataset_size):
         raise RuntimeError(f"{nproc} processes ran {len(times)} steps, expected {total}")
     steps_per_s = steady_rate(times, args.warmup)
     return {"wall_s": wall, "timed_s": args.steps / steps_per_s, "samples_per_s": steps_per_s * args.batch_size * nproc,
-            "exit_code": rc}
+            "step_ms_sd": step_spread_ms(times, args.warmup), "exit_code": rc}
 
 
 def bare_ddp_worker(rank, world_size, spec):
@@ -409,9 +416,10 @@ def bare_scaling_run(args, nproc, run_dir, cfg, independent=False):
     wall = time.perf_counter() - start
     # Synchronous training runs at the pace of its slowest rank: that is what the ranks that share nothing
     # can bound (under DDP the ranks keep pace with each other, so their rates agree)
-    steps_per_s = min(steady_rate(json.loads((run_dir / f"times_rank{r}.json").read_text()), args.warmup)
-                      for r in range(nproc))
-    return {"wall_s": wall, "timed_s": args.steps / steps_per_s, "samples_per_s": steps_per_s * args.batch_size * nproc}
+    times = [json.loads((run_dir / f"times_rank{r}.json").read_text()) for r in range(nproc)]
+    steps_per_s = min(steady_rate(t, args.warmup) for t in times)
+    return {"wall_s": wall, "timed_s": args.steps / steps_per_s, "samples_per_s": steps_per_s * args.batch_size * nproc,
+            "step_ms_sd": max(step_spread_ms(t, args.warmup) for t in times)}
 
 
 def scaling_rows(runs, steps):
@@ -422,6 +430,7 @@ def scaling_rows(runs, steps):
         rows.append({"processes": n, "steps": steps, "wall_s": median(r["wall_s"] for r in rs),
                      "timed_s": median(r["timed_s"] for r in rs), "samples_per_s": sps,
                      "speedup": sps / base, "efficiency": sps / (n * base),
+                     "step_ms_sd": median(r["step_ms_sd"] for r in rs),
                      "samples_per_s_runs": [r["samples_per_s"] for r in rs],
                      "exit_codes": [r.get("exit_code", 0) for r in rs]})
     return rows
@@ -429,7 +438,7 @@ def scaling_rows(runs, steps):
 
 def scaling_cells(r):
     return [r["processes"], r["steps"], f"{r['wall_s']:.1f}", f"{r['timed_s']:.2f}", f"{r['samples_per_s']:.1f}",
-            f"{r['speedup']:.2f}", f"{r['efficiency']:.3f}"]
+            f"{r['speedup']:.2f}", f"{r['efficiency']:.3f}", f"{r['step_ms_sd']:.1f}"]
 
 
 def cmd_scaling(args):
@@ -482,14 +491,16 @@ def cmd_scaling(args):
     if args.bare:
         table_rows.append(["bare loops, no communication", *scaling_cells(out["independent_row"])])
     table = markdown(["loop", "processes", "steps", "wall time (s)", "timed (s)", "samples/s", "speedup",
-                      "efficiency"], table_rows)
+                      "efficiency", "step sd (ms)"], table_rows)
     table += (f"\n\nefficiency = samples/s({args.nproc}) / ({args.nproc} x samples/s(1)) = {eff:.3f} "
               f"(target >= {TARGET_SCALING_EFFICIENCY}: {'met' if out['meets_target'] else 'missed'}); "
               f"median of {args.repeats} interleaved repeats"
               + (f"; a bare DDP loop (same model, batches, clipping, AdamW; no trainer) reaches "
                  f"{out['bare_efficiency']:.3f}, and {args.nproc} bare loops that do not communicate at all (the "
                  f"ceiling on this machine, against the 1-process bare loop) {out['independent_efficiency']:.3f}"
-                 if args.bare else "") + f"\ntimed: {out['timed']}")
+                 if args.bare else "") + "\nstep sd: the standard deviation of one step's duration (the bare loops: "
+             "their noisiest rank), what a synchronous step pays in waiting for the slower rank"
+             + f"\ntimed: {out['timed']}")
     finish(out, args, table)
 
 # -----------------------------------------------------------------------------------------------------------------

@@ -70,7 +70,7 @@ def test_scaling(tmp_path):
         for row in rows:
             assert row["steps"] == 3 and len(row["samples_per_s_runs"]) == len(row["exit_codes"]) == 1
             positive(row["wall_s"], row["timed_s"], row["samples_per_s"], row["speedup"], row["efficiency"])
-            assert row["timed_s"] < row["wall_s"]
+            assert row["timed_s"] < row["wall_s"] and row["step_ms_sd"] >= 0
             assert close(row["speedup"], row["samples_per_s"] / one["samples_per_s"])
             assert close(row["efficiency"], row["speedup"] / row["processes"])
             # timed_s covers `steps` steps of processes x batch samples each
@@ -78,6 +78,7 @@ def test_scaling(tmp_path):
         assert close(one["efficiency"], 1.0) and close(eff, two["efficiency"])
     indep = out["independent_row"]
     assert indep["processes"] == 2 and indep["steps"] == 3 and close(out["independent_efficiency"], indep["efficiency"])
+    assert indep["step_ms_sd"] >= 0
     assert close(indep["efficiency"], indep["samples_per_s"] / (2 * out["bare_rows"][0]["samples_per_s"]))
     assert out["meets_target"] == (out["efficiency"] >= out["target_efficiency"])
 
