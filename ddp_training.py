@@ -940,7 +940,13 @@ class DDPTrainer:
         counters, position in the epoch, and every rank's RNG streams (gathered to rank 0).
         Collective: every rank calls it, and the replicas are checked to be identical first."""
         rt.check_replicas(self.raw_model)
-        per_rank_rng = rt.gather_objects({**rt.rng_state(), "loader": dict(self.loader_rng)})
+        return self._state(rt.gather_objects(self._rng_streams()))
+
+    def _rng_streams(self) -> dict:
+        return {**rt.rng_state(), "loader": dict(self.loader_rng)}
+
+    def _state(self, per_rank_rng: list) -> dict:
+        """The resumable state (live tensors, not copies) with the given RNG streams of every rank."""
         return {"model": rt.unwrap_state_dict(self.model), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict() if self.scaler else None,
@@ -973,7 +979,8 @@ class DDPTrainer:
             return None
         explicit = mode != "auto"
         candidates = [Path(mode)] if explicit else list(reversed(self.state_files()))
-        fresh = rt.host_snapshot(self.raw_model.state_dict()) if candidates else None
+        # What _apply_state changes, as it is now, to put back if a state fails half-way through
+        fresh = rt.host_snapshot(self._state([self._rng_streams()] * self.env.world_size)) if candidates else None
         chosen, error = None, None
         for path in candidates:
             try:
@@ -984,7 +991,7 @@ class DDPTrainer:
                 error = ("refused", str(exc))
                 break
             except (rt.CheckpointError, RuntimeError, KeyError, ValueError) as exc:
-                self.raw_model.load_state_dict(fresh)  # a state that failed half-way leaves no trace
+                self._apply_state(fresh, Path("the initial state"))  # a failed state leaves no trace
                 if explicit:
                     error = ("unreadable", f"--resume {path}: {exc}")
                     break

@@ -117,19 +117,33 @@ def test_explicit_resume_path_that_fails_is_an_error(tmp_path, no_launch_env):
         DDPTrainer(config=cfg_for(tmp_path, resume=str(tmp_path / "nope.pt")))
 
 
-def test_a_state_that_fails_half_way_leaves_no_trace(tmp_path, no_launch_env):
-    """The newest state loads its weights, then its optimizer fails: the run starts fresh from the
-    initial weights, not from a mix."""
+def _break_optimizer(state):
+    state["optimizer"]["param_groups"] = []  # AdamW refuses it, after the model has loaded
+
+
+def _break_rng(state):
+    state["rng"][0]["torch"] = torch.zeros(3, dtype=torch.uint8)  # refused last, after counters and schedule
+
+
+@pytest.mark.parametrize("damage", [_break_optimizer, _break_rng], ids=["optimizer", "rng"])
+def test_a_state_that_fails_half_way_leaves_no_trace(tmp_path, no_launch_env, damage):
+    """The newest state loads part of itself, then fails: the run starts fresh (weights, optimizer, schedule,
+    counters and RNG streams as a run that never tried), not from a mix."""
     DDPTrainer(config=cfg_for(tmp_path, max_steps=5)).train()
     path = tmp_path / "ckpt" / "model_state_step_5.pt"
     state = rt.load_checkpoint(path)
-    state["optimizer"]["param_groups"] = []  # AdamW refuses it, after the model has loaded
+    damage(state)
     rt.atomic_save(state, path)
     resumed = DDPTrainer(config=cfg_for(tmp_path / "again", checkpoint_dir=str(tmp_path / "ckpt")))
+    rng_resumed = torch.get_rng_state()
     fresh = DDPTrainer(config=cfg_for(tmp_path / "fresh"))
+    assert torch.equal(rng_resumed, torch.get_rng_state())
     assert resumed.resumed_from is None and resumed.global_step == 0
-    assert_bit_identical(resumed.raw_model.state_dict(), fresh.raw_model.state_dict())
     assert "cannot resume from" in (tmp_path / "again" / "logs" / "rank_0.log").read_text()
+    assert_bit_identical(resumed.raw_model.state_dict(), fresh.raw_model.state_dict())
+    assert resumed.optimizer.state_dict() == fresh.optimizer.state_dict()
+    assert resumed.scheduler.state_dict() == fresh.scheduler.state_dict()
+    assert all(getattr(resumed, k) == getattr(fresh, k) for k in DDPTrainer.STATE_COUNTERS)
 
 
 def test_changed_batch_size_is_refused_clearly(tmp_path, no_launch_env):
