@@ -9,7 +9,6 @@ without a second GPU. The comparisons follow tests/test_correctness.py, with GPU
                    (unit roundoff 3.9e-3), fp16 11 bits (4.9e-4), both summed over many terms
 """
 
-import json
 from pathlib import Path
 
 import pytest
@@ -17,8 +16,10 @@ import torch
 
 import ddp_runtime as rt
 from ddp_training import CausalLM, DDPTrainer, lm_loss
-from test_correctness import (LM, _run_trainer, _two_rank_runs, final_weights, free_ports, rel, spawn_by_value,
-                              step_losses, to_numpy, to_torch)
+from conftest import metrics
+from dist_helpers import free_ports
+from test_correctness import (LM, _run_trainer, _two_rank_runs, final_weights, rel, spawn_by_value, step_losses,
+                              to_numpy, to_torch)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -46,7 +47,7 @@ def test_nccl_two_gpus_equal_one_gpu_with_twice_the_batch(tmp_path):
     assert len(r0["grads"]) == len(one["grads"]) == LM["max_steps"]
     for step, (g, ref) in enumerate(zip(r0["grads"], one["grads"])):
         assert rel(g, ref) < GPU_RTOL, f"step {step + 1}: {rel(g, ref):.2e}"
-    a, b = step_losses(r0), step_losses(one)
+    a, b = (step_losses(Path(r["dir"]) / "logs") for r in (r0, one))
     assert all(abs(x - y) <= GPU_RTOL * abs(y) for x, y in zip(a, b)), (a, b)
     assert rel(final_weights(r0), final_weights(one)) < GPU_WEIGHT_RTOL
     for calls, lasts, buckets in r0["hook"]:
@@ -65,7 +66,7 @@ def test_amp_step_is_close_to_fp32(tmp_path, no_launch_env, amp_dtype):
     fp32 = _one_step_grads(tmp_path, "fp32")
     amp = _one_step_grads(tmp_path, amp_dtype, use_amp=True, amp_dtype=amp_dtype)
     g_err = rel(amp["grads"][0], fp32["grads"][0])
-    l_amp, l_fp32 = step_losses(amp)[0], step_losses(fp32)[0]
+    l_amp, l_fp32 = (step_losses(Path(r["dir"]) / "logs")[0] for r in (amp, fp32))
     assert AMP_MIN < g_err < AMP_RTOL[amp_dtype], f"{amp_dtype} gradient {g_err:.2e} from fp32"
     assert abs(l_amp - l_fp32) < AMP_RTOL[amp_dtype] * l_fp32
     # fp16 needs the GradScaler: the recorded gradients are the unscaled ones the optimizer sees.
@@ -102,8 +103,7 @@ def test_single_gpu_training_run_loss_falls(tmp_path, no_launch_env):
                device="cuda", resume="none", log_dir=str(tmp_path / "logs"), checkpoint_dir=str(tmp_path / "ckpt"))
     summary = DDPTrainer(rank=0, world_size=1, config=cfg).train()
     assert summary["status"] == "completed" and summary["steps"] == 60 and "cuda_peak_gb" in summary
-    lines = (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
-    records = [r for r in map(json.loads, lines) if r["type"] == "train"]
+    records = metrics(tmp_path / "logs", "train")
     train = [r["loss"] for r in records]
     assert train[-1] < 0.6 * train[0]
     assert summary["final_val_loss"] < 0.8 * train[0]
