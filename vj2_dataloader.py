@@ -325,11 +325,13 @@ class VJ2TrajectoryDataset(Dataset):
         f, row = self.locate(index)
         # np.array copies out of the map/cache (and fixes byte order) so the tensor owns writable memory
         embeddings = torch.from_numpy(np.array(self.arrays(f)[0][row], dtype=self.dtype))
-        return embeddings, self.actions(index)
+        return embeddings, self._actions(f, row)
 
     def actions(self, index):
         """Trajectory `index`'s actions [T-1, A*C] alone, without reading its embeddings."""
-        f, row = self.locate(index)
+        return self._actions(*self.locate(index))
+
+    def _actions(self, f, row):
         T, _, _, A, C = self.geometry
         return torch.from_numpy(np.array(self.arrays(f)[1][row], dtype=np.float32).reshape(T - 1, A * C))
 

@@ -37,7 +37,7 @@ def gap_fraction(val_loss: float, floor: float, vocab: int = 64) -> float:
 
 
 def summary_of(log_dir: Path) -> dict:
-    return [r for r in metrics(log_dir) if r["type"] == "summary"][-1]
+    return metrics(log_dir, "summary")[-1]
 
 
 def dirs(tmp_path) -> dict:
@@ -144,7 +144,7 @@ def test_nonfinite_loss_skips_the_step_and_gives_up_after_max_bad_steps(tmp_path
     with pytest.raises(FloatingPointError, match="3 consecutive non-finite steps"):
         t.train()
     assert all(torch.isfinite(p).all() for p in model.parameters())
-    train = [r for r in metrics(tmp_path / "logs") if r["type"] == "train"]
+    train = metrics(tmp_path / "logs", "train")
     assert [r["step"] for r in train if r["skipped"]] == [3, 4, 11, 12, 13]
     saved = torch.load(tmp_path / "ckpt" / "model_interrupted.pt", weights_only=True)
     assert saved["global_step"] == 13 and all(torch.isfinite(v).all() for v in saved["model"].values())

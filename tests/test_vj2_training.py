@@ -322,7 +322,7 @@ def test_interrupted_run_saves_its_weights_and_exits_preempted(tmp_path):
     ckpt = torch.load(tmp_path / "ckpt" / "vjepa2_interrupted.pt", weights_only=True)
     assert ckpt["global_step"] >= 1
     # val_loss is the last validation's, and absent when the stop came before the first one (the usual case)
-    vals = [json.loads(line) for line in metrics_file.read_text().splitlines() if '"type": "val"' in line]
+    vals = metrics(metrics_file.parent, "val")
     assert set(ckpt) == {"predictor", "global_step", "predictor_config"} | ({"val_loss"} if vals else set())
     if vals:
         assert ckpt["val_loss"] == vals[-1]["val_loss"]
