@@ -917,11 +917,15 @@ class DDPTrainer:
         is off; a failed write is an error on every rank."""
         path = self.checkpoint_path(tag)
         self.writer.save(self.checkpoint_payload(), path, group=self.global_step)
-        self.log.info("saved checkpoint %s (step %d%s)", path, self.global_step,
+        self.log.info("%s checkpoint %s (step %d%s)", self._saved(), path, self.global_step,
                       "" if self.last_val is None else f", val_loss {self.last_val:.6f}")
         return path
 
     # -- resumable state ----------------------------------------------------------
+
+    def _saved(self) -> str:
+        """How a save is logged: with the background writer the file is not on disk yet when the loop goes on."""
+        return "writing (in the background)" if self.writer.background else "saved"
 
     def state_path(self, step: int) -> Path:
         return self.ckpt_dir / f"{self.cfg.checkpoint_prefix}_state_step_{step}.pt"
@@ -960,7 +964,7 @@ class DDPTrainer:
         self.writer.save(self.state_payload(), path, group=self.global_step,
                          then=lambda: rt.keep_newest(self.state_files(), self.cfg.keep_states))
         self.state_step = self.global_step
-        self.log.info("saved resumable state %s (step %d, epoch %d, %d steps into the epoch)", path,
+        self.log.info("%s resumable state %s (step %d, epoch %d, %d steps into the epoch)", self._saved(), path,
                       self.global_step, self.epoch, self.step_in_epoch)
         return path
 
