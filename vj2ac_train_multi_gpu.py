@@ -11,7 +11,7 @@ plus L1 over an autoregressive rollout of --rollout_horizon steps, on layer-norm
     torchrun --nproc_per_node=2 vj2ac_train_multi_gpu.py --device cpu --dist-backend gloo \\
         --processed_data_dir ./train_data --validation_data_dir ./val_data --num_epochs 1 --batch_size 2 \\
         --save_every_iters 100
-    python vj2ac_train_multi_gpu.py --evaluate checkpoints/RUN/vjepa2_final.pt --validation_data_dir ./val_data \\
+    python vj2ac_train_multi_gpu.py --evaluate checkpoints/vj2ac/vjepa2_final.pt --validation_data_dir ./val_data \\
         [--shuffle_actions]
 
 Checkpoints (rank 0, weights only): checkpoint_dir/vjepa2_{best,step_N,epoch_N,interrupted,final}.pt, each
@@ -21,11 +21,9 @@ holding `predictor`, `global_step`, `predictor_config` and `val_loss` once a val
 import argparse
 import json
 import sys
-import time
 from functools import partial
 
 import numpy as np
-import psutil
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -221,7 +219,10 @@ def build_parser():
                    help="default: nccl on cuda, gloo on cpu")
     p.add_argument("--local_rank", "--local-rank", type=int,
                    help="ignored (torch.distributed.launch passes it); LOCAL_RANK from the environment is used")
-    p.add_argument("--checkpoint_dir", help="default: checkpoints/<launch time>")
+    p.add_argument("--run_name", "--run-name", default="vj2ac",
+                   help="names the default checkpoint dir, checkpoints/<run_name>; relaunching the same run "
+                        "resumes it" + d)
+    p.add_argument("--checkpoint_dir", help="default: checkpoints/<run_name>")
     p.add_argument("--log_dir", help="rank_N.log and metrics.jsonl; default: the checkpoint dir")
     p.add_argument("--rollout_horizon", type=int, default=config.ROLLOUT_HORIZON,
                    help="autoregressive steps in the rollout loss; needs T-1 >= it" + d)
@@ -288,17 +289,11 @@ def parse_args(argv=None):
     return args
 
 
-def launch_time_name(launcher):
-    # Every rank must pick the same directory without talking (there is no process group yet), and a worker
-    # group that torchrun restarts must find it again to resume: name it after the launcher's start time.
-    # Ranks on other nodes have their own launcher; give multi-node runs an explicit --checkpoint_dir.
-    pid = psutil.Process().ppid() if launcher != "none" else psutil.Process().pid
-    return time.strftime("%Y%m%d_%H%M%S", time.localtime(psutil.Process(pid).create_time()))
-
-
-def train_config(args, launch):
+def train_config(args):
     """The DDPTrainer config (see ddp_training.TrainConfig) from the command line."""
-    checkpoint_dir = args.checkpoint_dir or f"checkpoints/{launch_time_name(launch['launcher'])}"
+    # A name every rank, every node and every relaunch agrees on without talking: a preempted or restarted
+    # run finds its own states again
+    checkpoint_dir = args.checkpoint_dir or f"checkpoints/{args.run_name}"
     return dict(num_epochs=args.num_epochs, batch_size=args.batch_size, num_workers=args.num_workers,
                 save_every_iters=args.save_every_iters, save_interval=args.save_every_epochs, device=args.device,
                 dist_backend=args.dist_backend, checkpoint_dir=checkpoint_dir,
@@ -313,7 +308,7 @@ def train_config(args, launch):
 
 
 def train(args, launch):
-    cfg = train_config(args, launch)
+    cfg = train_config(args)
     # the trainer's logger has the same name: it replaces these handlers, so no line is written twice
     log = rt.setup_logger(cfg["log_dir"], launch["rank"], args.debug)
     backend = rt.pick_backend(args.dist_backend, args.device) if launch["world_size"] > 1 else "none (1 process)"

@@ -149,10 +149,11 @@ def test_cli_presets_test_mode_and_trainer_config(no_launch_env):
     assert (args.depth, args.predictor_dim, args.num_heads) == (3, 1024, 16)
     args = vj2.parse_args(data + ["--test", "--max_steps", "7", "--batch-size", "3", "--local_rank", "0"])
     assert (args.max_steps, args.val_every_iters, args.preset, args.depth, args.batch_size) == (7, 10, "tiny", 1, 3)
-    cfg = vj2.train_config(args, {"launcher": "none"})
+    cfg = vj2.train_config(args)
     TrainConfig.from_dict(cfg)  # every key is one the trainer knows
     assert cfg["checkpoint_prefix"] == "vjepa2" and cfg["val_interval"] == 10 and cfg["save_interval"] == 0
-    assert re.fullmatch(r"checkpoints/\d{8}_\d{6}", cfg["checkpoint_dir"]) and cfg["log_dir"] == cfg["checkpoint_dir"]
+    assert cfg["checkpoint_dir"] == "checkpoints/vj2ac" and cfg["log_dir"] == cfg["checkpoint_dir"]
+    assert vj2.train_config(vj2.parse_args(data + ["--run-name", "b"]))["checkpoint_dir"] == "checkpoints/b"
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -344,8 +345,8 @@ def test_documented_cpu_command(tmp_path):
     wall = time.time() - t0
     assert r.returncode == 0, r.stdout[-6000:]
     assert wall < 120
-    (run_dir,) = (tmp_path / "checkpoints").iterdir()  # checkpoints/<launch time>, shared by both ranks
-    assert re.fullmatch(r"\d{8}_\d{6}", run_dir.name)
+    (run_dir,) = (tmp_path / "checkpoints").iterdir()  # checkpoints/<run_name>, shared by both ranks
+    assert run_dir.name == "vj2ac"
     # 30 trajectories, 2 ranks, 2 per step: 7 steps, so no step_N (every 100) and no epoch_N (off by default)
     assert {p.name for p in run_dir.iterdir() if WEIGHTS_FILE.match(p.name)} == {"vjepa2_best.pt", "vjepa2_final.pt"}
     assert {"rank_0.log", "rank_1.log", "metrics.jsonl"} <= {p.name for p in run_dir.iterdir()}
