@@ -466,11 +466,11 @@ class StepTally:
     def names(self) -> list:
         return sorted(self.extras)
 
-    def packed(self, flags: list) -> torch.Tensor:
-        """[count, loss_sum, nonfinite, *flags, *extras by name]"""
+    def packed(self, flags: list, names: list) -> torch.Tensor:
+        """[count, loss_sum, nonfinite, *flags, *extras in the order of `names`] (a missing one as 0)"""
         dev = self.count.device  # from pinned memory the copy is queued, not waited for
         flags = torch.tensor(flags, dtype=torch.float64, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
-        extras = [self.extras[n] for n in self.names]
+        extras = [self.extras.get(n, self.count * 0) for n in names]
         return torch.cat([torch.stack([self.count, self.loss_sum, self.nonfinite]), flags,
                           torch.stack(extras) if extras else flags[:0]])
 
@@ -526,10 +526,15 @@ def evaluate_model(model: nn.Module, loader, loss_fn: LossFn, device: torch.devi
 
 def use_static_graph(model: nn.Module, cfg: TrainConfig) -> bool:
     """DDP static_graph as configured; by default on for a model that declares its graph never changes
-    (`static_graph = True`), unless the config expects unused parameters."""
+    (`static_graph = True`), unless the config expects unused parameters or accumulates gradients.
+
+    A static graph's first backward in each process must all-reduce, so with accumulation that step
+    sums micro-steps across ranks in another order than later steps do: the first step after a resume
+    then differs in the last bits from the uninterrupted run's step."""
     if cfg.static_graph is not None:
         return cfg.static_graph
-    return getattr(model, "static_graph", False) is True and not cfg.find_unused_parameters
+    return (getattr(model, "static_graph", False) is True and not cfg.find_unused_parameters
+            and cfg.grad_accum_steps == 1)
 
 
 class DDPTrainer:
@@ -606,6 +611,9 @@ class DDPTrainer:
         if env.is_distributed:
             static = use_static_graph(model, cfg)
             self.log.info("DDP static_graph=%s", static)
+            if static and cfg.grad_accum_steps > 1:
+                self.log.warning("static_graph with grad_accum_steps=%d: a resumed run matches an "
+                                 "uninterrupted one only to rounding, not bit for bit", cfg.grad_accum_steps)
             self.static_graph = static
             self.model = DDP(trained, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
                              find_unused_parameters=cfg.find_unused_parameters, static_graph=static,
@@ -673,6 +681,7 @@ class DDPTrainer:
         self.epoch_data_errors = 0
         self.local_errors: list = []
         self.spare_batch = None
+        self.extra_names = None  # see _extra_names
         self.micro_splits = 1
         self.loader_rng = {"epoch_start": self.train_loader.generator.get_state(),
                            "current": self.train_loader.generator.get_state()}
@@ -724,6 +733,16 @@ class DDPTrainer:
         count = out[1].detach() if torch.is_tensor(out[1]) else float(out[1])
         return out[0].detach() * weight, count * weight, {k: v.detach() * weight for k, v in extras.items()}
 
+    def _extra_names(self, mine: list) -> list:
+        """The names of the loss's extras, agreed at this process's first step (one gather, once)."""
+        if self.extra_names is None:
+            seen = rt.gather_objects(mine)
+            if any(names != seen[0] for names in seen):
+                raise ValueError("loss_fn returned different extras on different ranks at the first step: "
+                                 + "; ".join(f"rank {r}: {names}" for r, names in enumerate(seen)))
+            self.extra_names = mine
+        return self.extra_names
+
     def _train_step(self, micro_batches: list, stop_signal: rt.StopSignal) -> dict:
         """Forward/backward over the accumulation window, one small all-reduce of
         [count, loss, flags..., extras...], then a step that all ranks agree on.
@@ -772,8 +791,12 @@ class DDPTrainer:
         raw_norm = torch.nn.utils.get_total_norm([p.grad for p in params]).double()
         if self.scaler is None:  # with a GradScaler, inf gradients are its normal business
             tally.nonfinite = torch.maximum(tally.nonfinite, (~torch.isfinite(raw_norm)).double())
+        names = self._extra_names(tally.names)
+        if tally.names != names and fatal is None:  # the all-reduce below packs `names`, the same on every rank
+            fatal = (f"loss_fn returned the extras {tally.names} at step {self.global_step + 1}, but {names} at "
+                     f"the first step; every rank and step must return the same names")
         flags = [stop_signal.received is not None, data_errors, fatal is not None, bool(unused), oom]
-        reduced = rt.all_reduce_tensor(tally.packed(flags), on_device=True)
+        reduced = rt.all_reduce_tensor(tally.packed(flags, names), on_device=True)
         # the agreement and the norm come back together: with NCCL the step's one host sync (a GradScaler adds its own)
         *reduced, raw_norm_value = torch.cat([reduced, raw_norm.reshape(1).to(reduced.device)]).tolist()
         g_count, g_loss, g_nonfinite, g_stop, g_data_errors, g_fatal, g_unused, g_oom = reduced[:8]
@@ -783,7 +806,7 @@ class DDPTrainer:
         if g_data_errors:
             self._count_data_errors(int(g_data_errors))
         result = {"count": g_count, "loss": g_loss / max(g_count, 1.0), "stop": g_stop > 0,
-                  "extras": {n: v / max(g_count, 1.0) for n, v in zip(tally.names, reduced[8:])}}
+                  "extras": {n: v / max(g_count, 1.0) for n, v in zip(names, reduced[8:])}}
 
         scaler_overflow = self.scaler is not None and not math.isfinite(raw_norm_value)
         if g_oom or g_nonfinite > 0 or g_count == 0 or scaler_overflow:
@@ -988,7 +1011,8 @@ class DDPTrainer:
         chosen, error = None, None
         for path in candidates:
             try:
-                self._apply_state(rt.load_checkpoint(path, map_location=self.env.device), path)
+                # on the CPU: RNG states must be CPU tensors; load_state_dict moves the rest to the device
+                self._apply_state(rt.load_checkpoint(path, map_location="cpu"), path)
                 chosen = path
                 break
             except StateMismatch as exc:  # a state of another run configuration: refused, never skipped
@@ -1140,6 +1164,7 @@ class DDPTrainer:
         Path(self.cfg.log_dir).mkdir(parents=True, exist_ok=True)
         (Path(self.cfg.log_dir) / "PREEMPTED").unlink(missing_ok=True)
         self._truncate_metrics()
+        self._set_aside_old_states()
         self._write_resolved_config()
         self._link_checkpoints()
         for p in rt.remove_stale_temp_files(self.ckpt_dir, self.cfg.checkpoint_prefix):
@@ -1289,6 +1314,22 @@ class DDPTrainer:
         # Loadable again with --config, so a run can be repeated exactly.
         resolved = dataclasses.asdict(self.cfg)
         (Path(self.cfg.log_dir) / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+
+    def _set_aside_old_states(self) -> None:
+        """States past this run's starting step (another run's, when starting fresh; unloadable ones
+        after a fallback) move into a subdir: pruning by step would otherwise delete this run's new states
+        in favour of them, and a later --resume auto would continue from them."""
+        old = [p for p in self.state_files() if int(p.stem.rsplit("_", 1)[-1]) > self.global_step]
+        if not old:
+            return
+        aside = self.ckpt_dir / f"previous_states.{int(time.time())}"
+        aside.mkdir()
+        for p in old:
+            for f in (p, Path(str(p) + ".sha256")):
+                if f.exists():
+                    os.replace(f, aside / f.name)
+        self.log.warning("moved %d resumable state(s) past step %d (not this run's) to %s", len(old),
+                         self.global_step, aside)
 
     def _truncate_metrics(self) -> None:
         """A resumed run continues the same curves: drop records past the resume step."""

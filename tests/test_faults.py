@@ -49,7 +49,9 @@ class OnRank:
                 return InfGradient.apply(s), c
             if self.what == "exit":
                 os._exit(3)
-        return s, c
+            if self.what == "new_extra":
+                return s, c, {"tokens": c * 1.0, "surprise": s.detach()}
+        return (s, c, {"tokens": c * 1.0}) if self.what == "new_extra" else (s, c)
 
 
 class RaiseInBackward(torch.autograd.Function):
@@ -128,6 +130,15 @@ def test_failure_in_an_accumulating_backward_is_named_on_the_other(tmp_path):
     r0, r1 = spawn(_run, 2, str(tmp_path), 1, 7, "raise_in_backward", {"grad_accum_steps": 2}, timeout=60)
     for r in (r0, r1):
         assert r["error"].startswith("StepFailed: step 4 failed on rank 1: RuntimeError in backward: injected"), r
+
+
+def test_an_extra_metric_on_one_rank_only_is_named_on_every_rank(tmp_path):
+    # the step's all-reduce packs the extras by name: an unannounced one must not change its size on one rank
+    r0, r1 = spawn(_run, 2, str(tmp_path), 1, 3, "new_extra", timeout=60)
+    for r in (r0, r1):
+        assert r["error"].startswith("StepFailed: step 3 failed on rank 1: loss_fn returned the extras "
+                                     "['surprise', 'tokens'] at step 3, but ['tokens'] at the first step"), r
+        assert r["seconds"] < 30
 
 
 def test_infinite_gradient_with_a_finite_loss_on_one_rank_skips_the_step_everywhere(tmp_path):

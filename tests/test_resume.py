@@ -77,13 +77,21 @@ def test_stop_and_resume_is_bit_identical_one_process(tmp_path, no_launch_env, r
     assert not (tmp_path / "logs" / "PREEMPTED").exists()
 
 
-def test_resume_none_starts_fresh_and_differs(tmp_path, no_launch_env):
-    DDPTrainer(config=cfg_for(tmp_path), loss_fn=SignalAt(6)).train()
+def test_resume_none_starts_fresh_and_sets_the_old_states_aside(tmp_path, no_launch_env):
+    DDPTrainer(config=cfg_for(tmp_path)).train()  # leaves states 15 and 20
     s = DDPTrainer(config=cfg_for(tmp_path, resume="none", max_steps=14)).train()
     assert s["resumed_from"] is None and s["steps"] == 14
     assert train_steps(tmp_path) == list(range(1, 15))  # a new curve from step 1, not a continuation
     DDPTrainer(config=cfg_for(tmp_path / "fresh", max_steps=14)).train()
     assert_bit_identical(final_weights(tmp_path), final_weights(tmp_path / "fresh"))
+    # the new run's states survive pruning (the old 15 and 20 are newer by step) and the old ones are kept aside
+    ckpt = tmp_path / "ckpt"
+    assert sorted(p.name for p in ckpt.glob("model_state_step_*.pt")) == ["model_state_step_10.pt",
+                                                                          "model_state_step_5.pt"]
+    (aside,) = ckpt.glob("previous_states.*")
+    assert sorted(p.name for p in aside.glob("*.pt")) == ["model_state_step_15.pt", "model_state_step_20.pt"]
+    again = DDPTrainer(config=cfg_for(tmp_path, max_steps=14)).train()  # resume auto: this run, not the old one
+    assert again["resumed_from"].endswith("model_state_step_10.pt")
 
 
 def test_only_the_newest_states_are_kept(tmp_path, no_launch_env):
@@ -224,6 +232,16 @@ def test_signal_on_one_rank_then_resume_is_bit_identical_two_ranks(tmp_path, ref
     assert spawn(_two_rank_run, 2, str(tmp_path), 1, stop_at, TWO_RANK) == [("interrupted", stop_at)] * 2
     assert spawn(_two_rank_run, 2, str(tmp_path), -1, 0, TWO_RANK) == [("completed", 20)] * 2
     assert_bit_identical(final_weights(tmp_path), reference_2)
+
+
+@pytest.mark.multi
+def test_resume_with_accumulation_is_bit_identical_two_ranks(tmp_path):
+    # The first step of a process must not reduce micro-steps the way later steps do not (DDP static_graph)
+    accum = dict(batch_size=4, grad_accum_steps=2)
+    spawn(_two_rank_run, 2, str(tmp_path / "ref"), -1, 0, accum)
+    assert spawn(_two_rank_run, 2, str(tmp_path), 0, 3, accum) == [("interrupted", 3)] * 2
+    assert spawn(_two_rank_run, 2, str(tmp_path), -1, 0, accum) == [("completed", 20)] * 2
+    assert_bit_identical(final_weights(tmp_path), final_weights(tmp_path / "ref"))
 
 
 # -- torchrun: SIGKILL with --max-restarts, SIGTERM to the agent ------------------------------
