@@ -434,6 +434,10 @@ class StepFailed(RuntimeError):
     """A step failed on some rank; raised on every rank with every rank's error."""
 
 
+class EvaluationFailed(RuntimeError):
+    """Evaluation raised on some rank; raised on every rank with every rank's error."""
+
+
 @dataclass
 class BatchError:
     """A batch that failed to load (the error text), kept in place of the batch. A dead
@@ -504,17 +508,27 @@ def evaluate_model(model: nn.Module, loader, loss_fn: LossFn, device: torch.devi
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     extras: dict = {}
-    for batch in loader:
-        batch = to_device(batch, device, non_blocking)
-        with autocast():
-            out = loss_fn(model, batch)
-        total[0] += out[0].double()
-        total[1] += torch.as_tensor(out[1], device=device).double()
-        for name, v in (out[2] if len(out) > 2 else {}).items():
-            extras[name] = extras.get(name, 0.0) + v.double()
-    model.train(was_training)
+    error = None
+    try:  # no collective inside the loop, so a rank may leave it early; the gather below tells the others
+        for batch in loader:
+            batch = to_device(batch, device, non_blocking)
+            with autocast():
+                out = loss_fn(model, batch)
+            total[0] += out[0].double()
+            total[1] += torch.as_tensor(out[1], device=device).double()
+            for name, v in (out[2] if len(out) > 2 else {}).items():
+                extras[name] = extras.get(name, 0.0) + v.double()
+    except Exception as exc:
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        error = f"{type(exc).__name__}: {exc} (at {Path(where.filename).name}:{where.lineno})"
+    finally:
+        model.train(was_training)
+    reports = rt.gather_objects((sorted(extras), error))
+    failed = [f"rank {r}: {e}" for r, (_, e) in enumerate(reports) if e]
+    if failed:
+        raise EvaluationFailed("evaluation failed on " + "; ".join(failed))
     # A rank whose shard is empty saw no extras; every rank must pack the same names.
-    names = sorted(set().union(*rt.gather_objects(sorted(extras))))
+    names = sorted(set().union(*(n for n, _ in reports)))
     zero = torch.zeros((), dtype=torch.float64, device=device)
     reduced = rt.all_reduce_tensor(torch.stack([total[0], total[1]] + [extras.get(n, zero) for n in names])
                                    ).tolist()
@@ -1102,7 +1116,12 @@ class DDPTrainer:
             return False
         self.log.debug("[DDP] Rank %d: Entering validation at epoch %d, iter %d", self.env.rank, self.epoch,
                        self.global_step)
-        res = self.evaluate()
+        try:
+            res = self.evaluate()
+        except EvaluationFailed as exc:
+            self.log.error("validation at step %d: %s", self.global_step, exc)
+            self._save_last_good()  # the weights of the steps so far are fine
+            raise
         self.log.debug("[DDP] Rank %d: Exiting validation at epoch %d, iter %d", self.env.rank, self.epoch,
                        self.global_step)
         self.last_val, self.last_val_step = res["loss"], self.global_step

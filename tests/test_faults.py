@@ -37,6 +37,8 @@ class OnRank:
 
     def __call__(self, model, batch):
         self.calls += model.training
+        if self.hit and not model.training and self.what == "raise_in_validation" and self.calls >= self.step:
+            raise ValueError("injected failure in validation")
         s, c = lm_loss(model, batch)
         if self.hit and model.training and self.calls == self.step:
             if self.what == "nan":
@@ -130,6 +132,16 @@ def test_failure_in_an_accumulating_backward_is_named_on_the_other(tmp_path):
     r0, r1 = spawn(_run, 2, str(tmp_path), 1, 7, "raise_in_backward", {"grad_accum_steps": 2}, timeout=60)
     for r in (r0, r1):
         assert r["error"].startswith("StepFailed: step 4 failed on rank 1: RuntimeError in backward: injected"), r
+
+
+def test_a_validation_failure_on_one_rank_is_named_on_every_rank_and_keeps_the_weights(tmp_path):
+    r0, r1 = spawn(_run, 2, str(tmp_path), 1, 4, "raise_in_validation", {"val_interval": 4}, timeout=60)
+    for r in (r0, r1):
+        assert r["error"].startswith("EvaluationFailed: evaluation failed on rank 1: ValueError: injected "
+                                     "failure in validation (at test_faults.py:"), r
+        assert r["seconds"] < 30
+    saved = torch.load(tmp_path / "ckpt" / "model_interrupted.pt", weights_only=True)
+    assert saved["global_step"] == 4  # the steps before the failed validation are kept
 
 
 def test_an_extra_metric_on_one_rank_only_is_named_on_every_rank(tmp_path):
