@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -434,6 +435,11 @@ class StepFailed(RuntimeError):
     """A step failed on some rank; raised on every rank with every rank's error."""
 
 
+class StepAbandoned(RuntimeError):
+    """This rank's step failed and could not be completed in step with the others (DDP had already
+    started reducing): the run ends here, and the others learn why from this rank's FAILED marker."""
+
+
 class EvaluationFailed(RuntimeError):
     """Evaluation raised on some rank; raised on every rank with every rank's error."""
 
@@ -488,6 +494,12 @@ def next_batch(batches) -> Any:
         text = f"{type(exc).__name__}: {exc}"
         worker_died = "DataLoader worker" in text and ("exited unexpectedly" in text or "killed by signal" in text)
         return BatchError(text, fatal=worker_died)
+
+
+def is_collective_error(exc: BaseException) -> bool:
+    """A communication failure (a peer died or timed out) surfacing in a backward's gradient all-reduce."""
+    text = str(exc).lower()
+    return isinstance(exc, dist.DistError) or "gloo" in text or "nccl" in text
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -757,6 +769,11 @@ class DDPTrainer:
             self.extra_names = mine
         return self.extra_names
 
+    def _abandoned(self, fatal: Optional[str], exc: Exception) -> StepAbandoned:
+        return StepAbandoned(f"step {self.global_step + 1} failed on rank {self.env.rank}: "
+                             f"{fatal or 'out of memory in the forward'} (and the step could not be completed "
+                             f"with the other ranks: {type(exc).__name__}: {exc})")
+
     def _train_step(self, micro_batches: list, stop_signal: rt.StopSignal) -> dict:
         """Forward/backward over the accumulation window, one small all-reduce of
         [count, loss, flags..., extras...], then a step that all ranks agree on.
@@ -785,7 +802,9 @@ class DDPTrainer:
             try:
                 tally.add(*self._forward_backward(batch, last, weight))
             except Exception as exc:
-                if fatal is not None or oom:
+                if fatal is not None or oom:  # a replay failed
+                    raise self._abandoned(fatal, exc) from exc
+                if is_collective_error(exc):  # not this rank's failure: a peer is gone (see _explain_failure)
                     raise
                 phase = getattr(exc, "ddp_phase", "forward")
                 if is_out_of_memory(exc) and phase == "forward":
@@ -796,7 +815,10 @@ class DDPTrainer:
                     self.log.error("step %d raised on this rank: %s", self.global_step + 1, traceback.format_exc())
                 if self.env.device.type == "cuda":
                     torch.cuda.empty_cache()
-                tally.add(*self._forward_backward(self._tiny_spare(), last, 0.0))
+                try:
+                    tally.add(*self._forward_backward(self._tiny_spare(), last, 0.0))
+                except Exception as replay_exc:  # e.g. DDP had reduced part of a backward that died half-way
+                    raise self._abandoned(fatal, replay_exc) from replay_exc
         unused = self._unused_parameters()
 
         if self.scaler:
@@ -1230,7 +1252,11 @@ class DDPTrainer:
                     self.stepped = True
                 except StepFailed:
                     raise
+                except StepAbandoned:
+                    self._save_weights_here()
+                    raise
                 except Exception as exc:  # a peer died or hung: say which and where, then fail
+                    self._save_weights_here()
                     raise self._explain_failure(exc) from exc
                 if first and cfg.first_step_timeout > cfg.dist_timeout:  # also the first step after a resume
                     rt.set_collective_timeout(cfg.dist_timeout)
@@ -1287,6 +1313,18 @@ class DDPTrainer:
             if type(h) is logging.StreamHandler:
                 h.setLevel(logging.WARNING)
         return tqdm(total=self.total_steps, initial=self.global_step, unit="step", file=sys.stdout)
+
+    def _save_weights_here(self) -> None:
+        """Rank 0 writes the weights without the others (they may be gone): a step that failed in a
+        collective has not reached the optimizer, so these are the last good weights."""
+        if not self.env.is_main:
+            return
+        path = self.checkpoint_path("interrupted")
+        try:
+            rt.atomic_save(self.checkpoint_payload(), path)
+            self.log.info("saved the last good weights to %s", path)
+        except Exception as exc:  # the step's failure is the error to raise; this one is only logged
+            self.log.error("could not save the last good weights to %s: %s: %s", path, type(exc).__name__, exc)
 
     def _save_last_good(self) -> None:
         """The weights before a failed step, on disk before the run raises."""

@@ -45,6 +45,14 @@ class OnRank:
                 return s * float("nan"), c
             if self.what == "raise":
                 raise ValueError("injected failure in forward")
+            if self.what == "raise_mid_backward":  # after the later layers' gradients were reduced
+                first_block = getattr(model, "module", model).blocks[0]
+                hook = first_block.register_forward_hook(lambda m, i, out: RaiseInBackward.apply(
+                    out, RuntimeError("injected failure half-way through backward")))
+                try:
+                    return lm_loss(model, batch)
+                finally:
+                    hook.remove()
             if self.what == "raise_in_backward":
                 return RaiseInBackward.apply(s, RuntimeError("injected failure in backward")), c
             if self.what == "inf_gradient":
@@ -125,6 +133,19 @@ def test_failure_in_backward_on_one_rank_is_named_on_the_other(tmp_path):
     assert "injected failure in backward" in r1["error"]
     assert "rank 1" in r0["error"] and "injected failure in backward" in r0["error"], r0
     assert r0["seconds"] < 30
+
+
+def test_failure_half_way_through_backward_is_named_on_the_other_and_keeps_the_weights(tmp_path):
+    # small buckets: DDP has reduced some of them when the backward dies, so the step cannot be replayed
+    extra = {"num_layers": 2, "bucket_cap_mb": 0.01}
+    r0, r1 = spawn(_run, 2, str(tmp_path), 1, 4, "raise_mid_backward", extra, timeout=90)
+    assert r1["error"].startswith("StepAbandoned: step 4 failed on rank 1: RuntimeError in backward: injected "
+                                  "failure half-way through backward"), r1
+    assert r0["error"].startswith("StepFailed: step 4: rank 1 failed: StepAbandoned: step 4 failed on rank 1: "
+                                  "RuntimeError in backward: injected failure half-way"), r0
+    assert r0["seconds"] < 45
+    saved = torch.load(tmp_path / "ckpt" / "model_interrupted.pt", weights_only=True)
+    assert saved["global_step"] == 3
 
 
 def test_failure_in_an_accumulating_backward_is_named_on_the_other(tmp_path):
