@@ -1154,6 +1154,7 @@ class DDPTrainer:
         self.bad_validations = 0 if improved else self.bad_validations + 1
         extra = {f"val_{k}": v for k, v in res.items() if k not in ("loss", "count")}
         self.write_metrics({"type": "val", "step": self.global_step, "epoch": self.epoch,
+                            "steps_per_epoch": self.steps_per_epoch,
                             "val_loss": res["loss"], **extra, "time": time.time() - self.t0,
                             **({"loss_floor": self.data_info["loss_floor"]} if "loss_floor" in self.data_info
                                else {})})
@@ -1217,7 +1218,7 @@ class DDPTrainer:
         cfg = self.cfg
         self.t0 = time.time()
         self.samples_seen = 0
-        global_batch = cfg.batch_size * cfg.grad_accum_steps * self.env.world_size
+        global_batch = self._global_batch()
         window_t, window_steps = time.time(), 0
         gen = self.train_loader.generator
         bar = self._bar = self._progress_bar()
@@ -1421,6 +1422,9 @@ class DDPTrainer:
             return None
         return self.raw_model.flops_per_token() / self.env.world_size / peak
 
+    def _global_batch(self) -> int:
+        return self.cfg.batch_size * self.cfg.grad_accum_steps * self.env.world_size
+
     def _write_preempted_marker(self) -> None:
         marker = Path(self.cfg.log_dir) / "PREEMPTED"
         marker.write_text(json.dumps({"step": self.global_step, "epoch": self.epoch,
@@ -1440,6 +1444,7 @@ class DDPTrainer:
                    "test_loss": None if test is None else test["loss"], "wall_time_s": round(wall, 3),
                    "samples_per_s": self.samples_seen / wall if wall > 0 else None,
                    "skipped_steps": self.skipped_steps, "world_size": self.env.world_size,
+                   "steps_per_epoch": self.steps_per_epoch, "global_batch": self._global_batch(),
                    "peak_rss_gb": memory["cpu_peak_rss_gb"], "peak_anon_gb": memory["cpu_peak_anon_gb"],
                    **self.data_info}
         if self.env.device.type == "cuda":

@@ -9,10 +9,16 @@ A run directory is whatever `log_dir` a trainer wrote to: `metrics.jsonl` (one J
     python training_logs.py plot runs/a runs/b --compare --smooth 5 --output curves.png
     python training_logs.py plot runs/a --metrics loss,grad_norm,lr --x time --output grid.png
 
+Summary columns: total_time_s is the time of every session of the run added up (a resumed run has one
+session per launch; start-up and the time between launches are not counted), avg_samples_per_s is the
+samples trained over that time (so it includes validation and checkpoints). A run whose metrics.jsonl has
+no complete record yet (it has just started) is a row with status "no records yet".
+
 Plot layout: the default loss-curve figure has one row per run (train loss, val loss, learning rate on a
 second y axis); --compare puts every run in one axes instead. A --metrics grid has one subplot per metric
-and always overlays the runs. Bad input (no metrics.jsonl, an empty file, a corrupt line, an unknown metric)
-exits with status 2 and a message; a cut-short last line (a run killed mid-write) only warns.
+and always overlays the runs. --x epoch is step / steps per epoch, as the trainer states it in val and
+summary records (or where the records' steps and epochs pin it down); without it, it is an error. Bad input (no metrics.jsonl, a corrupt line, an unknown metric) exits with status 2 and a message; a
+cut-short last line (a run killed mid-write) only warns; plot leaves out runs with no records yet.
 
 Everything the CLI does is importable: load_run, summarize, format_summaries, series, plot_loss_curves,
 plot_metrics.
@@ -32,12 +38,18 @@ METRICS_FILE = "metrics.jsonl"
 NOT_METRICS = {"type", "step", "epoch", "time"}
 # Every memory peak a trainer may log; "peak memory" is the largest of them.
 PEAK_KEYS = ("cpu_peak_rss_gb", "peak_rss_gb", "cuda_peak_gb")
-SUMMARY_FIELDS = ("name", "status", "steps", "final_val_loss", "best_val_loss", "test_loss", "wall_time_s",
-                  "samples_per_s", "world_size", "peak_mem_gb")
+SUMMARY_FIELDS = ("name", "status", "steps", "sessions", "final_val_loss", "best_val_loss", "test_loss",
+                  "total_time_s", "avg_samples_per_s", "world_size", "peak_mem_gb")
+NO_RECORDS = "no records yet"
 
 
 class LogError(Exception):
     """Bad input. The CLI prints the message (no traceback) and exits with status 2."""
+
+
+class NoRecords(LogError):
+    """A metrics.jsonl with no complete record: a run that has only just started. Listings show it as a
+    row instead of failing."""
 
 
 def warn(msg: str) -> None:
@@ -56,6 +68,9 @@ class Run:
     val: list = field(default_factory=list)
     summary: Optional[dict] = None
     steps_per_epoch: Optional[int] = None
+    sessions: int = 1
+    earlier_sessions_s: float = 0.0  # the time of every session before the last, added up
+    no_records: Optional[str] = None  # why there is nothing to show yet
 
     def records(self, kind: str) -> list:
         return self.train if kind == "train" else self.val
@@ -72,7 +87,7 @@ def read_metrics(path) -> list:
     while lines and not lines[-1].strip():
         lines.pop()
     if not lines:
-        raise LogError(f"{path} is empty (the run wrote no records yet)")
+        raise NoRecords(f"{path} is empty (the run wrote no records yet)")
     records = []
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
@@ -88,7 +103,7 @@ def read_metrics(path) -> list:
             raise LogError(f"{path}:{lineno}: expected a JSON object with a \"type\" key, got {line[:80]!r}")
         records.append(rec)
     if not records:
-        raise LogError(f"{path} holds no complete record")
+        raise NoRecords(f"{path} holds no complete record yet")
     return records
 
 
@@ -115,33 +130,56 @@ def last_session(records: list, path) -> list:
     return records[start:]
 
 
-def add_elapsed(records: list) -> None:
-    """Give every record "_elapsed": its "time" made continuous across resumes.
+def add_elapsed(records: list) -> tuple:
+    """Give every record "_elapsed": its "time" made continuous across sessions. Returns the number of
+    sessions and the time of all but the last, added up.
 
-    "time" counts from the start of the current process, so it falls back to ~0 after a resume.
+    "time" counts from the start of the session's training loop, so it falls back to ~0 when a resumed run
+    starts. That is the only trace of a session in metrics.jsonl: the trainer drops the interrupted
+    session's summary record when it resumes. A session shorter than the next one's first step cannot be
+    told apart from it and is counted as part of it.
     """
-    offset, prev = 0.0, 0.0
+    sessions, offset, prev = 1, 0.0, 0.0
     for rec in records:
         t = rec.get("time")
         if not isinstance(t, (int, float)):
             continue
         if t + offset < prev:
             offset = prev
+            sessions += 1
         rec["_elapsed"] = t + offset
         prev = rec["_elapsed"]
+    return sessions, offset
 
 
-def infer_steps_per_epoch(train: list) -> Optional[int]:
-    """Optimizer steps per epoch, from the first train record past an epoch boundary.
+def epoch_bounds(records: list) -> tuple:
+    """The fewest and most optimizer steps per epoch (n) that the records allow.
 
-    Step s of epoch e (counting steps from 1 over the whole run) satisfies s = e * steps_per_epoch + i with
-    1 <= i <= steps_per_epoch, so the first record of epoch e >= 1 pins it down.
+    Steps count from 1 over the whole run. A train record carries the epoch its step ran in, so
+    e*n < s <= (e+1)*n. A val or summary record written after an epoch's last step already carries the next
+    epoch, so for those only e*n <= s <= (e+1)*n holds. A run of one epoch or less never crosses a boundary
+    inside its train records; its closing validation or summary ("epochs": 1) is then what pins n down.
     """
-    for rec in train:
-        e, s = rec.get("epoch"), rec.get("step")
-        if isinstance(e, int) and e >= 1 and isinstance(s, int):
-            return max(1, (s - 1) // e)
-    return None
+    lo, hi = 1, math.inf
+    for rec in records:
+        summary = rec["type"] == "summary"
+        s, e = rec.get("steps" if summary else "step"), rec.get("epochs" if summary else "epoch")
+        if not (isinstance(s, int) and isinstance(e, int) and s >= 1 and e >= 0):
+            continue
+        lo = max(lo, -(-s // (e + 1)))
+        if e >= 1:
+            hi = min(hi, (s - 1) // e if rec["type"] == "train" else s // e)
+    return lo, hi
+
+
+def find_steps_per_epoch(records: list) -> Optional[int]:
+    """As the trainer states it in val and summary records (the newest), else where the records' steps and
+    epochs pin it down."""
+    stated = [r["steps_per_epoch"] for r in records if isinstance(r.get("steps_per_epoch"), int)]
+    if stated:
+        return stated[-1]
+    lo, hi = epoch_bounds(records)
+    return lo if lo == hi else None
 
 
 def load_run(run_dir, name: Optional[str] = None) -> Run:
@@ -153,8 +191,8 @@ def load_run(run_dir, name: Optional[str] = None) -> Run:
         raise LogError(f"{run_dir}: no {METRICS_FILE} here (not a run directory? "
                        f"`summary --all {run_dir}` searches below it)")
     records = last_session(read_metrics(path), path)
-    add_elapsed(records)
     run = Run(name=name or run_dir.resolve().name, path=run_dir)
+    run.sessions, run.earlier_sessions_s = add_elapsed(records)
     for rec in records:
         if rec["type"] == "train":
             run.train.append(rec)
@@ -165,7 +203,7 @@ def load_run(run_dir, name: Optional[str] = None) -> Run:
         # other types: written by a newer trainer; ignore rather than fail
     if not run.train and not run.val and run.summary is None:
         raise LogError(f"{path} holds no train, val or summary record")
-    run.steps_per_epoch = infer_steps_per_epoch(run.train)
+    run.steps_per_epoch = find_steps_per_epoch(records)
     return run
 
 
@@ -191,7 +229,14 @@ def load_runs(dirs=(), root=None) -> list:
     if not named:
         raise LogError("no run directories given (name some, or use --all ROOT)")
     names = [n for _, n in named]
-    return [load_run(d, n if names.count(n) == 1 else str(d)) for d, n in named]
+    runs = []
+    for d, n in named:
+        name = n if names.count(n) == 1 else str(d)
+        try:
+            runs.append(load_run(d, name))
+        except NoRecords as exc:
+            runs.append(Run(name=name, path=Path(d), no_records=str(exc)))
+    return runs
 
 
 # ----------------------------------------------------------------------------
@@ -202,34 +247,51 @@ def _finite(values) -> list:
     return [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
 
 
+def total_time(run: Run) -> Optional[float]:
+    """Every session's time added up. The summary's wall_time_s covers its own session only, and also the
+    test evaluation and final checkpoint that come after the last record."""
+    s = run.summary or {}
+    if isinstance(s.get("wall_time_s"), (int, float)):
+        return run.earlier_sessions_s + s["wall_time_s"]
+    elapsed = _finite(r.get("_elapsed") for r in run.train + run.val)
+    return max(elapsed) if elapsed else None
+
+
 def summarize(run: Run) -> dict:
     """One run's headline numbers. Without a summary record (still running, or killed) they are rebuilt
     from the train/val records and the status is "incomplete"."""
+    if run.no_records:
+        return {**dict.fromkeys(SUMMARY_FIELDS), "name": run.name, "status": NO_RECORDS}
     s = run.summary or {}
     vals = _finite(r.get("val_loss") for r in run.val)
     everything = run.train + run.val + ([s] if s else [])
     peaks = _finite(r.get(k) for r in everything for k in PEAK_KEYS)
-    elapsed = _finite(r.get("_elapsed") for r in run.train + run.val)
-    # A per-step rate, so it leaves out validation and checkpoint time: a little higher than the
-    # end-to-end rate a finished run reports.
+    steps = s.get("steps", max((r.get("step", 0) for r in run.train), default=0))
+    # One rank_N.log per rank is the only trace of the world size before the summary is written.
+    world = s.get("world_size") or (len(list(run.path.glob("rank_*.log"))) or None)
+    seconds = total_time(run)
     rates = _finite(r.get("samples_per_s") for r in run.train)
-    out = {
+    if run.sessions == 1 and s.get("samples_per_s") is not None:
+        rate = s["samples_per_s"]  # the trainer's own count over this one session
+    elif isinstance(s.get("global_batch"), int) and seconds:
+        rate = steps * s["global_batch"] / seconds
+    else:  # still running: the mean per-step rate, which leaves out validation and checkpoints
+        rate = sum(rates) / len(rates) if rates else None
+    return {
         "name": run.name,
         "status": s.get("status", "incomplete"),
-        "steps": s.get("steps", max((r.get("step", 0) for r in run.train), default=0)),
+        "steps": steps,
+        "sessions": run.sessions,
         "final_val_loss": s["final_val_loss"] if s.get("final_val_loss") is not None
         else (vals[-1] if vals else None),
         "best_val_loss": s["best_val_loss"] if s.get("best_val_loss") is not None
         else (min(vals) if vals else None),
         "test_loss": s.get("test_loss"),
-        "wall_time_s": s["wall_time_s"] if "wall_time_s" in s else (max(elapsed) if elapsed else None),
-        "samples_per_s": s["samples_per_s"] if s.get("samples_per_s") is not None
-        else (sum(rates) / len(rates) if rates else None),
-        # One rank_N.log per rank is the only trace of the world size before the summary is written.
-        "world_size": s.get("world_size") or (len(list(run.path.glob("rank_*.log"))) or None),
+        "total_time_s": seconds,
+        "avg_samples_per_s": rate,
+        "world_size": world,
         "peak_mem_gb": max(peaks) if peaks else None,
     }
-    return out
 
 
 def _fmt(key: str, v) -> str:
@@ -251,9 +313,13 @@ def format_summaries(rows: list, fmt: str = "one-line") -> str:
         lines = []
         for r in rows:
             f = {k: _fmt(k, r[k]) for k in SUMMARY_FIELDS}
+            if r["status"] == NO_RECORDS:
+                lines.append(f"{f['name']}: {NO_RECORDS}")
+                continue
             lines.append(f"{f['name']}: {f['status']}, {f['steps']} steps, val {f['final_val_loss']} "
-                         f"(best {f['best_val_loss']}), test {f['test_loss']}, {f['wall_time_s']} s, "
-                         f"{f['samples_per_s']} samples/s, world {f['world_size']}, peak {f['peak_mem_gb']} GB")
+                         f"(best {f['best_val_loss']}), test {f['test_loss']}, {f['total_time_s']} s over "
+                         f"{f['sessions']} session{'s' if r['sessions'] != 1 else ''}, "
+                         f"{f['avg_samples_per_s']} samples/s, world {f['world_size']}, peak {f['peak_mem_gb']} GB")
         return "\n".join(lines)
     if fmt == "table":
         cells = [[_fmt(k, r[k]) for k in SUMMARY_FIELDS] for r in rows]
@@ -301,11 +367,26 @@ def x_value(run: Run, rec: dict, x: str):
     if x == "time":
         return rec.get("_elapsed")
     if x == "epoch":
-        # Logged epochs are whole numbers; step / steps_per_epoch gives the position inside the epoch.
-        if run.steps_per_epoch and isinstance(rec.get("step"), (int, float)):
-            return rec["step"] / run.steps_per_epoch
-        return rec.get("epoch")
+        # Logged epochs are whole numbers, and a val record after an epoch's last step already carries the
+        # next one: only step / steps_per_epoch places every point right.
+        check_x_axis([run], x)
+        s = rec.get("step")
+        return s / run.steps_per_epoch if isinstance(s, (int, float)) else None
     raise ValueError(f"unknown x axis {x!r}")
+
+
+def check_x_axis(runs: list, x: str) -> None:
+    """Refuse an epoch axis that would have to be guessed."""
+    if x != "epoch":
+        return
+    for run in runs:
+        if run.steps_per_epoch is None:
+            lo, hi = epoch_bounds(run.train + run.val + ([run.summary] if run.summary else []))
+            known = (f"at least {lo}" + ("" if hi == math.inf else f" and at most {hi}") if lo <= hi
+                     else "contradictory numbers (epochs of different lengths?)")
+            raise LogError(f"{run.path}: --x epoch needs the number of steps per epoch, which the trainer "
+                           f"states in val and summary records; these records only say {known}. "
+                           f"Use --x step or --x time")
 
 
 def series(run: Run, metric: str, x: str = "step", smooth: int = 1, kind: Optional[str] = None):
@@ -386,6 +467,7 @@ def _title(runs: list) -> str:
 
 def plot_loss_curves(runs: list, output, x: str = "step", smooth: int = 1, compare: bool = False,
                      log_y: bool = False) -> None:
+    check_x_axis(runs, x)
     plt = _pyplot()
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     colors = [colors[i % len(colors)] for i in range(len(runs))]
@@ -405,6 +487,7 @@ def plot_metrics(runs: list, metrics: list, output, x: str = "step", smooth: int
     unknown = [m for m in metrics if m not in known]
     if unknown:
         raise LogError(f"unknown metric {', '.join(unknown)}; these runs log: {', '.join(sorted(known))}")
+    check_x_axis(runs, x)
     plt = _pyplot()
     ncols = min(3, len(metrics))
     nrows = math.ceil(len(metrics) / ncols)
@@ -432,6 +515,17 @@ def plot_metrics(runs: list, metrics: list, output, x: str = "step", smooth: int
 # Command line
 # ----------------------------------------------------------------------------
 
+def with_records(runs: list) -> list:
+    """The runs that have something to plot; the others are named in a warning."""
+    for run in runs:
+        if run.no_records:
+            warn(f"{run.path}: not plotted: {run.no_records}")
+    left = [run for run in runs if not run.no_records]
+    if not left:
+        raise LogError("nothing to plot: " + "; ".join(run.no_records for run in runs))
+    return left
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="training_logs.py", description="Summarise and plot training runs.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -440,7 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("runs", nargs="*", metavar="RUN_DIR", help="run directories (each holds metrics.jsonl)")
         sp.add_argument("--all", metavar="ROOT", help="every directory under ROOT that holds metrics.jsonl")
 
-    s = sub.add_parser("summary", help="one line per run: steps, val loss, time, throughput, memory, status")
+    s = sub.add_parser("summary", help="one line per run: status, steps, sessions, val/test loss, time over all "
+                                       "sessions, samples/s, world size, memory")
     add_runs(s)
     s.add_argument("--format", choices=("one-line", "table", "json"), default="one-line",
                    help="table: aligned markdown; json: one list")
@@ -468,6 +563,7 @@ def main(argv=None) -> int:
             return 0
         if args.smooth < 1:
             raise LogError("--smooth must be at least 1")
+        runs = with_records(runs)
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         if args.metrics:
             metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]

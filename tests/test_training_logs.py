@@ -72,7 +72,8 @@ def test_summary_json_has_the_runs_values(runs, capsys):
         assert row["final_val_loss"] == s["final_val_loss"] == metrics(d, "val")[-1]["val_loss"]
         assert row["best_val_loss"] == s["best_val_loss"] == min(r["val_loss"] for r in metrics(d, "val"))
         assert row["test_loss"] == s["test_loss"]
-        assert row["wall_time_s"] == s["wall_time_s"] and row["samples_per_s"] == s["samples_per_s"]
+        assert row["sessions"] == 1
+        assert row["total_time_s"] == s["wall_time_s"] and row["avg_samples_per_s"] == s["samples_per_s"]
         assert row["world_size"] == 1
         assert row["peak_mem_gb"] >= s["peak_rss_gb"] > 0
     # the two learning rates really made two different runs
@@ -127,7 +128,10 @@ def test_incomplete_run_is_summarised_from_its_records(runs, tmp_path, capsys):
     assert row["status"] == "incomplete"
     assert row["steps"] == train[-1]["step"] < 20
     assert row["final_val_loss"] == vals[-1] and row["best_val_loss"] == min(vals)
-    assert row["wall_time_s"] == pytest.approx(max(r["time"] for r in train + metrics(d, "val")))
+    assert row["total_time_s"] == pytest.approx(max(r["time"] for r in train + metrics(d, "val")))
+    # without a summary (which states the global batch): the mean of the steps' rates
+    rates = [r["samples_per_s"] for r in train]
+    assert row["avg_samples_per_s"] == pytest.approx(sum(rates) / len(rates))
     assert row["world_size"] == 1  # from rank_0.log
     assert row["test_loss"] is None
 
@@ -167,7 +171,10 @@ def test_plotted_series_come_from_the_run(runs):
     assert len(ys) == 20 and ys[0] == losses[0]
     assert ys[10] == pytest.approx(sum(losses[6:11]) / 5)
     assert tl.series(run, "val_loss", smooth=5)[1] == [r["val_loss"] for r in val]
-    # epoch axis: fractional, consistent with the whole epochs the trainer logged
+    # epoch axis: fractional, consistent with the whole epochs the trainer logged, from the steps per epoch it
+    # states
+    assert all(r["steps_per_epoch"] == run.steps_per_epoch for r in val + metrics(d, "summary"))
+    assert metrics(d, "summary")[0]["global_batch"] == 16
     xs, _ = tl.series(run, "loss", x="epoch")
     assert all(int((s - 1) // run.steps_per_epoch) == r["epoch"] for s, r in zip([r["step"] for r in train], train))
     assert xs == [r["step"] / run.steps_per_epoch for r in train]
@@ -246,3 +253,114 @@ def test_reused_log_dir_and_resume_time(runs, tmp_path, capsys):
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     xs, _ = tl.series(tl.load_run(d), "loss", x="time")
     assert xs == sorted(xs) and xs[10] == pytest.approx(t_cut + 0.01)
+
+
+# ----------------------------------------------------------------------------
+# hand-written run directories, shaped like what DDPTrainer writes
+# ----------------------------------------------------------------------------
+
+def write_run(d, records):
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return d
+
+
+def train_recs(steps, spe, t0=0.0, dt=1.0):
+    """Train records as the trainer writes them: "epoch" is the epoch the step ran in."""
+    return [{"type": "train", "step": s, "epoch": (s - 1) // spe, "loss": 5.0 - 0.1 * s, "lr": 1e-3,
+             "samples_per_s": 100.0, "time": t0 + dt * (i + 1)} for i, s in enumerate(steps)]
+
+
+def test_epoch_axis_of_a_one_epoch_run(tmp_path):
+    """--num_epochs 1: every train record says epoch 0, the closing validation and the summary epoch 1."""
+    recs = train_recs(range(1, 9), spe=8) + [
+        {"type": "val", "step": 8, "epoch": 1, "val_loss": 4.0, "time": 8.5},
+        {"type": "summary", "status": "completed", "steps": 8, "epochs": 1, "wall_time_s": 9.0}]
+    run = tl.load_run(write_run(tmp_path / "one", recs))  # no steps_per_epoch stated: the records pin it down
+    assert run.steps_per_epoch == 8
+    assert tl.series(run, "loss", x="epoch")[0] == [s / 8 for s in range(1, 9)]
+    assert tl.series(run, "val_loss", x="epoch")[0] == [1.0]
+
+
+def test_epoch_axis_inside_the_first_epoch_reads_the_stated_steps_per_epoch(tmp_path, capsys):
+    """max_steps stopped the run 6 steps into an epoch of 10: only the trainer's steps_per_epoch says how long
+    the epoch is."""
+    recs = train_recs(range(1, 7), spe=10) + [
+        {"type": "val", "step": 6, "epoch": 0, "steps_per_epoch": 10, "val_loss": 4.0, "time": 6.5},
+        {"type": "summary", "status": "completed", "steps": 6, "epochs": 0, "steps_per_epoch": 10,
+         "wall_time_s": 7.0}]
+    d = write_run(tmp_path / "short", recs)
+    run = tl.load_run(d)
+    assert run.steps_per_epoch == 10
+    assert tl.series(run, "loss", x="epoch")[0] == [s / 10 for s in range(1, 7)]
+    assert tl.series(run, "val_loss", x="epoch")[0] == [0.6]
+
+    # without it (an older trainer), the axis would be a guess: refused
+    write_run(d, [{k: v for k, v in r.items() if k != "steps_per_epoch"} for r in recs])
+    out = tmp_path / "e.png"
+    assert tl.main(["plot", str(d), "--x", "epoch", "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--x epoch needs the number of steps per epoch" in err and "at least 6" in err and str(d) in err
+    assert not out.exists()
+    assert tl.main(["plot", str(d), "--x", "step", "--output", str(out)]) == 0  # other axes still work
+
+
+def test_summary_all_shows_runs_with_no_records_yet(runs, tmp_path, capsys):
+    """A run that has just started (empty metrics.jsonl, or a first line still being written) is a row,
+    not the end of the whole listing."""
+    root = tmp_path / "root"
+    copy_run(runs, root)
+    (root / "b").mkdir()
+    (root / "b" / "metrics.jsonl").write_text("")
+    (root / "c").mkdir()
+    (root / "c" / "metrics.jsonl").write_text('{"type": "train", "st')
+    assert tl.main(["summary", "--all", str(root), "--format", "json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["lr_3e-3"]["final_val_loss"] == summary_record(runs / "lr_3e-3")["final_val_loss"]
+    for name in "bc":
+        assert rows[name]["status"] == "no records yet" and rows[name]["steps"] is None
+
+    assert tl.main(["summary", "--all", str(root), "--format", "table"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 5 and len({len(x) for x in lines}) == 1
+    assert tl.main(["summary", "--all", str(root)]) == 0
+    assert "b: no records yet" in capsys.readouterr().out
+
+    # plot draws the others and says which it left out
+    out = tmp_path / "all.png"
+    assert tl.main(["plot", "--all", str(root), "--output", str(out)]) == 0
+    assert png_size(out)[2] > 10_000
+    err = capsys.readouterr().err
+    assert f"{root / 'b'}: not plotted" in err and "is empty" in err
+
+
+def resumed_run(d, summary=True):
+    """Interrupted after 4 steps at 5.4 s (the trainer drops that session's summary when it resumes), then
+    resumed: its records' "time" starts again from 0, its summary covers only itself (6.1 s)."""
+    recs = train_recs(range(1, 5), spe=100, dt=1.35) + train_recs(range(5, 9), spe=100, dt=1.4)
+    recs.append({"type": "val", "step": 8, "epoch": 0, "val_loss": 4.0, "time": 5.8})
+    if summary:
+        recs.append({"type": "summary", "status": "completed", "steps": 8, "resumed_from": "ckpt/state_4.pt",
+                     "epochs": 0, "wall_time_s": 6.1, "samples_per_s": 4 * 8 / 6.1, "world_size": 1,
+                     "global_batch": 8})
+    return write_run(d, recs)
+
+
+def test_summary_of_a_resumed_run_totals_its_sessions(tmp_path, capsys):
+    d = resumed_run(tmp_path / "resumed")
+    row = tl.summarize(tl.load_run(d))
+    assert row["sessions"] == 2
+    assert row["total_time_s"] == pytest.approx(5.4 + 6.1)
+    assert row["avg_samples_per_s"] == pytest.approx(8 * 4 * 2 / (5.4 + 6.1))  # 8 steps of 4 x 2 accum x 1 rank
+
+    # still running in its second session: no summary, the time its records reach and the mean step rate
+    row = tl.summarize(tl.load_run(resumed_run(tmp_path / "running", summary=False)))
+    assert row["sessions"] == 2 and row["status"] == "incomplete"
+    assert row["total_time_s"] == pytest.approx(5.4 + 5.8)
+    assert row["avg_samples_per_s"] == pytest.approx(100.0)
+
+    assert tl.main(["summary", str(d), "--format", "table"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "| sessions |" in header and "| total_time_s |" in header and "| avg_samples_per_s |" in header
+    assert tl.main(["summary", str(d)]) == 0
+    assert "11.5 s over 2 sessions" in capsys.readouterr().out
