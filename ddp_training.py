@@ -106,7 +106,7 @@ class TrainConfig:
     save_interval: int = 1              # epochs between <prefix>_epoch_N.pt; 0 = off
     save_every_iters: int = 0           # steps between <prefix>_step_N.pt; 0 = off
     resume: str = "auto"                # auto: newest valid state in checkpoint_dir | none | PATH
-    keep_states: int = 2                # resumable states kept (newest first)
+    keep_states: int = 2                # resumable states kept (newest first); 0 = keep all
     async_checkpoint: bool = True       # rank 0 writes checkpoints on a background thread from a host copy
     # faults
     max_errors_per_epoch: int = 5
@@ -145,6 +145,8 @@ class TrainConfig:
         for key in ("learning_rate", "bucket_cap_mb"):
             if getattr(self, key) is not None and not getattr(self, key) > 0:
                 raise ValueError(f"config key {key!r} must be > 0, got {getattr(self, key)}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"config key 'min_lr_ratio' must be in [0, 1], got {self.min_lr_ratio}")
         for key in ("val_fraction", "test_fraction"):
             if not 0 <= getattr(self, key) < 1:
                 raise ValueError(f"config key {key!r} must be in [0, 1), got {getattr(self, key)}")
@@ -698,6 +700,7 @@ class DDPTrainer:
         self.global_step = 0
         self.epoch = 0
         self.best_val = math.inf
+        self.patience_ref = math.inf  # the loss of the last improvement by more than min_delta
         self.bad_validations = 0
         self.consecutive_bad_steps = 0
         self.skipped_steps = 0
@@ -1031,7 +1034,8 @@ class DDPTrainer:
         ds = self.train_loader.dataset
         return len(ds) if hasattr(ds, "__len__") else -1
 
-    STATE_COUNTERS = ("global_step", "epoch", "step_in_epoch", "best_val", "bad_validations",
+    STATE_COUNTERS = ("global_step", "epoch", "step_in_epoch", "best_val", "patience_ref", "bad_validations",
+                      "epoch_data_errors",
                       "consecutive_bad_steps", "skipped_steps", "last_val", "last_val_step")
 
     def _resume(self) -> Optional[Path]:
@@ -1097,8 +1101,11 @@ class DDPTrainer:
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
+        self.patience_ref = math.inf  # a state written before it was saved: its best_val was the reference
         for k, v in state["counters"].items():
             setattr(self, k, v)
+        if "patience_ref" not in state["counters"]:
+            self.patience_ref = self.best_val
         mine = state["rng"][self.env.rank]
         self.loader_rng = dict(mine["loader"])
         rt.set_rng_state(mine)
@@ -1147,11 +1154,15 @@ class DDPTrainer:
         self.log.debug("[DDP] Rank %d: Exiting validation at epoch %d, iter %d", self.env.rank, self.epoch,
                        self.global_step)
         self.last_val, self.last_val_step = res["loss"], self.global_step
-        improved = res["loss"] < self.best_val - self.cfg.min_delta
+        # Patience counts from the last improvement by more than min_delta, so many small steps do not
+        # reset it (as in Keras and Lightning); the best checkpoint follows every improvement.
+        if res["loss"] < self.patience_ref - self.cfg.min_delta:
+            self.patience_ref, self.bad_validations = res["loss"], 0
+        else:
+            self.bad_validations += 1
         if res["loss"] < self.best_val:
             self.best_val = res["loss"]
             self.save_checkpoint("best")
-        self.bad_validations = 0 if improved else self.bad_validations + 1
         extra = {f"val_{k}": v for k, v in res.items() if k not in ("loss", "count")}
         self.write_metrics({"type": "val", "step": self.global_step, "epoch": self.epoch,
                             "steps_per_epoch": self.steps_per_epoch,
@@ -1402,11 +1413,17 @@ class DDPTrainer:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line cut short by the crash that made us resume
-            if rec.get("type") != "summary" and rec.get("step", 0) <= self.global_step:
+            if rec.get("type") != "summary" and rec.get("step", 0) <= self.global_step and not self._redone(rec):
                 kept.append(line)
         tmp = self.metrics_path.with_suffix(".tmp")
         tmp.write_text("".join(k + "\n" for k in kept))
         os.replace(tmp, self.metrics_path)
+
+    def _redone(self, rec: dict) -> bool:
+        """A validation at the resume step that the state predates (an epoch's closing validation comes
+        after the state saved at its last step): the resumed run repeats it and writes it again."""
+        return (rec.get("type") == "val" and rec.get("step") == self.global_step
+                and self.last_val_step != self.global_step)
 
     # Dense bf16 peak FLOP/s per GPU, for the model FLOPs utilisation (MFU) metric.
     PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}

@@ -94,6 +94,14 @@ def test_resume_none_starts_fresh_and_sets_the_old_states_aside(tmp_path, no_lau
     assert again["resumed_from"].endswith("model_state_step_10.pt")
 
 
+def test_a_validation_the_state_predates_is_logged_once(tmp_path, no_launch_env):
+    cfg = cfg_for(tmp_path, max_steps=10, save_every_iters=8)  # 8 steps per epoch
+    DDPTrainer(config=cfg).train()  # as if killed after step 10: the newest state is step 8's, which the
+    again = DDPTrainer(config=cfg).train()  # epoch's closing validation at step 8 came after
+    assert again["resumed_from"].endswith("model_state_step_8.pt")
+    assert [r["step"] for r in metrics(tmp_path / "logs", "val")] == [8, 10]
+
+
 def test_only_the_newest_states_are_kept(tmp_path, no_launch_env):
     DDPTrainer(config=cfg_for(tmp_path, keep_states=2)).train()
     states = sorted(p.name for p in (tmp_path / "ckpt").glob("model_state_step_*.pt"))

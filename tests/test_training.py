@@ -100,6 +100,17 @@ def test_target_loss_and_patience_stop_early(tmp_path, no_launch_env):
     assert s["status"] == "early_stopped" and s["steps"] == 15  # validations at 5, 10, 15: none improves by 0.1
 
 
+def test_patience_counts_from_the_last_improvement_by_more_than_min_delta(tmp_path, no_launch_env):
+    trainer = DDPTrainer(config={**QUICK, **dirs(tmp_path), "max_steps": 10, "val_interval": 1, "patience": 3,
+                                 "min_delta": 0.01})
+    losses = iter([1.0 - 0.005 * k for k in range(20)])  # 0.005 better each time: 0.01 better every 2nd
+    trainer.evaluate = lambda loader=None: {"loss": next(losses), "count": 1}
+    s = trainer.train()
+    # measured against the previous validation, no single one improves by 0.01: that stopped at step 4
+    assert s["status"] == "completed" and s["steps"] == 10
+    assert s["best_val_loss"] == pytest.approx(0.955)  # the best checkpoint follows every improvement
+
+
 def test_compiled_model_trains_like_the_eager_one(tmp_path, no_launch_env):
     cfg = {**QUICK, "max_steps": 8, "val_interval": 0, "resume": "none"}
     eager = DDPTrainer(config={**cfg, **dirs(tmp_path / "eager")}).train()
@@ -194,6 +205,7 @@ def test_cli_precedence_defaults_yaml_flags(tmp_path):
     (["--lr", "0"], "'learning_rate' must be > 0, got 0.0"),
     (["--bucket_cap_mb", "0"], "'bucket_cap_mb' must be > 0, got 0.0"),
     (["--val_fraction", "1.5"], "'val_fraction' must be in [0, 1)"),
+    (["--min_lr_ratio", "2"], "'min_lr_ratio' must be in [0, 1]"),
 ])
 def test_cli_bad_input_exits_2_with_a_clear_message(tmp_path, argv, message):
     (tmp_path / "bad.yaml").write_text("bogus_key: 1\n")
