@@ -72,25 +72,45 @@ def first_slurm_host(nodelist: str) -> str:
 
 
 def detect_launch_env() -> dict:
-    """Rank, local rank and world size from torchrun or SLURM; a plain process is rank 0 of 1."""
+    """Rank, local rank and world size from torchrun or SLURM; a plain process is rank 0 of 1.
+
+    Under SLURM only the tasks of an `srun` step form a group, and the step's task count is its
+    size (srun's SLURM_STEP_NUM_TASKS; SLURM_NTASKS is the job's and may be larger). The batch
+    script itself is one process on the first node: SLURM sets SLURM_PROCID=0 and the job's
+    SLURM_NTASKS there too, but no SLURM_STEP_* variable, so a `python train.py` in it runs alone
+    instead of waiting for peers that nothing will start.
+    """
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
         return dict(rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
                     local_rank=int(env.get("LOCAL_RANK", env["RANK"])), launcher="torchrun")
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        ntasks = int(env["SLURM_NTASKS"])
-        if ntasks > 1:
-            # c10d's env:// rendezvous reads these; SLURM does not set them itself.
-            if "MASTER_ADDR" not in env:
-                nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
-                if not nodelist:
-                    raise RuntimeError("SLURM run with several tasks but neither MASTER_ADDR nor "
-                                       "SLURM_JOB_NODELIST is set")
-                os.environ["MASTER_ADDR"] = first_slurm_host(nodelist)
-            os.environ.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
-        return dict(rank=int(env["SLURM_PROCID"]), world_size=ntasks,
-                    local_rank=int(env.get("SLURM_LOCALID", "0")), launcher="slurm")
+    slurm = _slurm_task(env)
+    if slurm is not None:
+        return slurm
     return dict(rank=0, world_size=1, local_rank=0, launcher="none")
+
+
+def _slurm_task(env) -> Optional[dict]:
+    """The SLURM task this process is, or None when it is not one of a group (the batch script)."""
+    if "SLURM_PROCID" not in env:
+        return None
+    rank = int(env["SLURM_PROCID"])
+    if "SLURM_STEP_NUM_TASKS" in env:
+        ntasks = int(env["SLURM_STEP_NUM_TASKS"])
+    elif rank == 0 or "SLURM_NTASKS" not in env:
+        return None  # the batch script (always task 0 of its own one-task step), not an srun task
+    else:
+        ntasks = int(env["SLURM_NTASKS"])  # a task > 0 without step variables: not the batch script
+    if ntasks > 1:
+        # c10d's env:// rendezvous reads these; SLURM does not set them itself.
+        if "MASTER_ADDR" not in env:
+            nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+            if not nodelist:
+                raise RuntimeError("SLURM run with several tasks but neither MASTER_ADDR nor "
+                                   "SLURM_JOB_NODELIST is set")
+            os.environ["MASTER_ADDR"] = first_slurm_host(nodelist)
+        os.environ.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+    return dict(rank=rank, world_size=ntasks, local_rank=int(env.get("SLURM_LOCALID", "0")), launcher="slurm")
 
 
 def pick_backend(requested: Optional[str], device: str = "auto") -> str:
@@ -498,29 +518,79 @@ class _DispatchSampler:
             self.inner.set_start_index(index * self.world_size)
 
 
+class BatchLoadError(RuntimeError):
+    """A batch that rank 0 could not read for a rank under `--data_strategy dispatch`; raised by the
+    loader's iterator on that rank, so the trainer handles it like a bad sample under `shard`."""
+
+
+class _FailedSample:
+    """Stands in for a sample (or a rank's part) that raised while rank 0 read it."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+
+class _TolerantDataset(Dataset):
+    """Rank 0's view of a map-style dataset: a sample that raises becomes a `_FailedSample`, so one
+    bad sample fails only the part that holds it, as it fails only one rank's batch under shard."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        try:
+            return self.dataset[index]
+        except Exception as exc:  # reported to the rank whose part it is, in its step
+            return _FailedSample(f"{type(exc).__name__}: {exc}")
+
+
+class _PartsCollate:
+    """Collate a global batch as one batch per rank: samples r, r+W, ... for rank r, exactly the
+    samples (and the collate call) that the sharded sampler gives rank r."""
+
+    def __init__(self, collate_fn, parts: int):
+        self.collate_fn, self.parts = collate_fn, parts
+
+    def __call__(self, samples: list) -> list:
+        return [self._one(samples[r::self.parts]) for r in range(self.parts)]
+
+    def _one(self, samples: list):
+        failed = next((s for s in samples if isinstance(s, _FailedSample)), None)
+        if failed is not None:
+            return failed
+        try:
+            return self.collate_fn(samples)
+        except Exception as exc:  # under shard this fails only this rank's batch too
+            return _FailedSample(f"{type(exc).__name__}: {exc}")
+
+
 class DispatchLoader:
     """Rank 0 reads global batches and sends every rank its part (`--data_strategy dispatch`),
     for sources that cannot be sharded, such as a stream. The end of the data travels with the
-    batches, so every rank sees it at the same step. With the same seed it yields exactly the
-    per-rank batches of the sharded loader."""
+    batches, so every rank sees it at the same step; so does a part that failed to load, which its
+    rank raises as a `BatchLoadError` before the loader goes on, as under shard. With the same seed
+    it yields exactly the per-rank batches (and failures) of the sharded loader."""
 
     def __init__(self, dataset: Dataset, batch_size: int, *, rank: int, world_size: int, seed: int,
                  collate_fn=None, **loader_kwargs):
         self.dataset, self.rank, self.world_size = dataset, rank, world_size
+        self.collate_fn = collate_fn or torch.utils.data.default_collate
+        parts = _PartsCollate(self.collate_fn, world_size)
         self.reader = None
         if rank == 0:
             if isinstance(dataset, torch.utils.data.IterableDataset):
-                self.reader = DataLoader(dataset, batch_size=batch_size * world_size, collate_fn=collate_fn)
+                self.reader = DataLoader(dataset, batch_size=batch_size * world_size, collate_fn=parts)
             else:
-                self.reader = build_dataloader(dataset, batch_size * world_size, train=True, rank=0,
-                                               world_size=1, seed=seed, collate_fn=collate_fn, **loader_kwargs)
+                self.reader = build_dataloader(_TolerantDataset(dataset), batch_size * world_size, train=True,
+                                               rank=0, world_size=1, seed=seed, collate_fn=parts, **loader_kwargs)
         reader_sampler = getattr(self.reader, "sampler", None)
         self.sampler = _DispatchSampler(reader_sampler if hasattr(reader_sampler, "set_start_index") else None,
                                         world_size)
         self.generator = self.reader.generator if self.reader is not None and self.reader.generator is not None \
             else torch.Generator()
-        self.collate_fn = (self.reader.collate_fn if self.reader is not None
-                           else collate_fn or torch.utils.data.default_collate)
         length = None
         if self.reader is not None:
             try:
@@ -534,24 +604,50 @@ class DispatchLoader:
             raise TypeError("a streamed dataset has no length")
         return self.length
 
-    def __iter__(self):
-        batches = iter(self.reader) if self.reader is not None else None
-        while True:
-            parts = None
-            if batches is not None:
-                try:
-                    batch = next(batches)
-                    parts = [split_batch(batch, r, self.world_size) for r in range(self.world_size)]
-                except StopIteration:
-                    parts = [None] * self.world_size
+    def __iter__(self) -> "_DispatchIterator":
+        return _DispatchIterator(self)
+
+
+class _DispatchIterator:
+    """One epoch of a DispatchLoader. A class, not a generator: a generator that raises is over, and
+    after a batch that failed to load the epoch must go on."""
+
+    def __init__(self, loader: DispatchLoader):
+        self.loader = loader
+        self.batches = iter(loader.reader) if loader.reader is not None else None
+        self.ended = False
+
+    def __iter__(self) -> "_DispatchIterator":
+        return self
+
+    def __next__(self):
+        if self.ended:
+            raise StopIteration
+        mine = self._receive(self._read() if self.batches is not None else None)
+        if mine is None:
+            self.ended = True
+            raise StopIteration
+        if isinstance(mine, _FailedSample):
+            raise BatchLoadError(f"{mine.text} (read by rank 0 for rank {self.loader.rank}, data_strategy dispatch)")
+        return mine
+
+    def _read(self) -> list:
+        """Rank 0: the next global batch, one part per rank; None for every rank at the end of the data."""
+        world_size = self.loader.world_size
+        try:
+            return next(self.batches)
+        except StopIteration:
+            return [None] * world_size
+        except Exception as exc:  # not one sample (a dead worker, a broken stream): every rank's part failed
+            return [_FailedSample(f"{type(exc).__name__}: {exc}")] * world_size
+
+    @staticmethod
+    def _receive(parts: Optional[list]):
+        if dist.is_available() and dist.is_initialized():
             mine = [None]
-            if dist.is_available() and dist.is_initialized():
-                dist.scatter_object_list(mine, parts, src=0)
-            else:
-                mine = parts[:1]
-            if mine[0] is None:
-                return
-            yield mine[0]
+            dist.scatter_object_list(mine, parts, src=0)
+            return mine[0]
+        return parts[0]
 
 
 # ----------------------------------------------------------------------------
@@ -631,8 +727,9 @@ class _HashingWriter:
         self.f.flush()
 
 
-def _atomic_write(path: Path, write) -> str:
-    """Temp file in the same directory, fsync, rename; returns the SHA-256 of what was written."""
+def _atomic_write(path: Path, write, before_replace=None) -> str:
+    """Temp file in the same directory, fsync, `before_replace()`, rename, fsync the directory;
+    returns the SHA-256 of what was written."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
@@ -640,6 +737,8 @@ def _atomic_write(path: Path, write) -> str:
             write(out)
             f.flush()
             os.fsync(f.fileno())
+        if before_replace is not None:
+            before_replace()
         os.replace(tmp, path)
     finally:
         if tmp.exists():
@@ -650,11 +749,26 @@ def _atomic_write(path: Path, write) -> str:
 
 def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
     """Write `obj` with torch.save through a temp file in the same directory, fsync, rename;
-    then a `.sha256` sidecar. The previous file at `path` survives any failure."""
+    then a `.sha256` sidecar, written the same way. The previous file at `path` survives any
+    failure, and a sidecar never describes another file than the one beside it: at worst (a crash
+    or a full disk between the two writes) a file has no sidecar and loads without the check."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    digest = _atomic_write(path, lambda f: torch.save(obj, f))
-    _atomic_write(path.with_name(path.name + ".sha256"), lambda f: f.write(f"{digest}  {path.name}\n".encode()))
+    sidecar = path.with_name(path.name + ".sha256")
+
+    def drop_old_sidecar():
+        # Gone for good before the new file takes the name: a stale digest would fail the new file,
+        # and with it the only checkpoint left, at its next load.
+        if sidecar.exists():
+            sidecar.unlink()
+            _fsync_dir(path.parent)
+
+    digest = _atomic_write(path, lambda f: torch.save(obj, f), before_replace=drop_old_sidecar)
+    try:
+        _atomic_write(sidecar, lambda f: f.write(f"{digest}  {path.name}\n".encode()))
+    except OSError as exc:
+        raise CheckpointError(f"{path} was written, but not its SHA-256 sidecar ({exc}); "
+                              "it loads without the checksum check") from exc
     return path
 
 
@@ -722,10 +836,11 @@ class CheckpointWriter:
 
     In the background (the default) the loop waits only for a host copy of the payload: a thread
     writes the copy, in submission order, while training goes on. Payloads saved at one save point
-    (`group`, e.g. the step) share their copies; the next save point first waits for the previous
-    one's writes, so at most one save point's copy is held in memory. A write that failed fails
-    every rank at the next save point or `flush()`, as a synchronous write fails at once. Files
-    appear only complete (temp file, fsync, rename), so a crash mid-write leaves the previous ones.
+    (`group`, e.g. the step) share their copies while any of them waits to be written; the next save
+    point first waits for the previous one's writes. A copy lives only until it is written: once the
+    queue is empty the writer holds no host memory. A write that failed fails every rank at the next
+    save point or `flush()`, as a synchronous write fails at once. Files appear only complete (temp
+    file, fsync, rename), so a crash mid-write leaves the previous ones.
     """
 
     def __init__(self, background: bool = True, log: Optional[logging.Logger] = None):
@@ -736,7 +851,12 @@ class CheckpointWriter:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[Exception] = None
         self._group: Any = None
+        # Copies by source tensor, shared by the payloads of one save point. The writer thread drops
+        # it when the last queued copy is written; `_pending` (under `_lock`) counts the copies
+        # being made or waiting, so it is never dropped while a save still fills or needs it.
+        self._lock = threading.Lock()
         self._memo: dict = {}
+        self._pending = 0
 
     def save(self, payload: Any, path: str | os.PathLike, group: Any = None, then=None) -> Path:
         """Write `payload` to `path` (on rank 0), then call `then()` there (e.g. prune old files)."""
@@ -746,19 +866,36 @@ class CheckpointWriter:
             return path
         if group is None or group != self._group:
             self.flush()
-            self._group, self._memo = group, {}
+            self._group = group
         if self.is_writer:
-            self._jobs.put((host_snapshot(payload, self._memo), path, then))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._work, name="checkpoint-writer", daemon=True)
-                self._thread.start()
+            self._queue(payload, path, then)
         return path
+
+    def _queue(self, payload: Any, path: Path, then) -> None:
+        with self._lock:
+            self._pending += 1
+            memo = self._memo
+        try:
+            snapshot = host_snapshot(payload, memo)
+        except BaseException:
+            self._release()
+            raise
+        self._jobs.put((snapshot, path, then))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="checkpoint-writer", daemon=True)
+            self._thread.start()
+
+    def _release(self) -> None:
+        """One copy written (or abandoned); after the last, no shared copy outlives its write."""
+        with self._lock:
+            self._pending -= 1
+            if self._pending == 0:
+                self._memo = {}
 
     def flush(self) -> None:
         """Wait (every rank) until rank 0 has written everything saved so far; raise on every
         rank if a write failed."""
         if self.background:
-            self._memo = {}
             run_on_rank0(self._wait, what="a background checkpoint write")
 
     def close(self, timeout_s: Optional[float] = None) -> Optional[Exception]:
@@ -773,7 +910,8 @@ class CheckpointWriter:
                                "files are intact)", timeout_s)
                 return CheckpointError(f"a checkpoint write did not finish within {timeout_s:g} s")
             self._thread = None
-        self._memo = {}
+        with self._lock:
+            self._memo = {}
         return self._error
 
     def _wait(self) -> None:
@@ -791,14 +929,20 @@ class CheckpointWriter:
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
-            payload, path, then = job
+            path = job[1]
             try:
-                self._write(payload, path, then)
+                self._write(*job)
             except Exception as exc:  # raised in the training thread by flush()
-                self.log.error("writing %s failed: %s: %s", path, type(exc).__name__, exc)
+                # Text only: the exception's traceback holds the payload, which must not outlive the write.
+                text = f"{type(exc).__name__}: {exc}"
+                self.log.error("writing %s failed: %s", path, text)
                 if self._error is None:
-                    self._error = CheckpointError(f"writing {path} failed: {type(exc).__name__}: {exc}")
+                    self._error = CheckpointError(f"writing {path} failed: {text}")
             finally:
+                # This thread's reference goes before the job counts as done, so a flush() that
+                # returns leaves no host copy behind.
+                job = None
+                self._release()
                 self._jobs.task_done()
         self._jobs.task_done()
 
@@ -821,14 +965,17 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
+    """Restore what `rng_state` captured. The tensors may arrive on another device (a checkpoint
+    loaded with map_location='cuda'); torch, numpy, random and CUDA's own generators take only
+    host data, so each is copied to the CPU first."""
+    torch.set_rng_state(state["torch"].cpu())
     n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+    np.random.set_state(("MT19937", n["keys"].cpu().numpy().astype(np.uint32), n["pos"], n["has_gauss"],
                          n["cached_gaussian"]))
     p = state["python"]
-    random.setstate((p["version"], tuple(p["internal"].tolist()), p["gauss_next"]))
+    random.setstate((p["version"], tuple(p["internal"].cpu().tolist()), p["gauss_next"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 # ----------------------------------------------------------------------------

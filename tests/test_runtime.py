@@ -1,12 +1,17 @@
 """The shared runtime: launch environments, logging, memory, loaders, collectives, checkpoint I/O."""
 
+import errno
+import gc
 import io
 import logging
 import os
+import random
 import signal
 import threading
+import weakref
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,22 +29,70 @@ def test_first_slurm_host(nodelist, first):
     assert rt.first_slurm_host(nodelist) == first
 
 
-def test_detect_env_plain_torchrun_and_slurm(no_launch_env, monkeypatch):
+# What srun adds to a task's environment (and the batch script's environment lacks).
+SLURM_STEP_VARS = ("SLURM_STEP_ID", "SLURM_STEPID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NUM_NODES",
+                   "SLURM_STEP_NODELIST", "SLURM_JOB_ID")
+
+
+@pytest.fixture
+def no_slurm_step(no_launch_env, monkeypatch):
+    for var in SLURM_STEP_VARS:
+        monkeypatch.delenv(var, raising=False)
+    for var in ("MASTER_ADDR", "MASTER_PORT"):  # detect_launch_env sets these: undo them after the test
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
+
+
+def test_detect_env_plain_and_torchrun(no_slurm_step, monkeypatch):
     assert rt.detect_launch_env() == dict(rank=0, world_size=1, local_rank=0, launcher="none")
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert rt.detect_launch_env() == dict(rank=3, world_size=4, local_rank=1, launcher="torchrun")
-    for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(v)
-    monkeypatch.setenv("SLURM_PROCID", "5")
-    monkeypatch.setenv("SLURM_NTASKS", "8")
-    monkeypatch.setenv("SLURM_LOCALID", "1")
-    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[12-15]")
-    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+
+
+def slurm_job(monkeypatch, procid, ntasks=8):
+    """The variables of a job with `ntasks` tasks on gpu[12-15], as seen by task `procid`."""
+    for var, value in dict(SLURM_PROCID=procid, SLURM_NTASKS=ntasks, SLURM_LOCALID=procid % 4,
+                           SLURM_JOB_NODELIST="gpu[12-15]", SLURM_JOB_ID=4242).items():
+        monkeypatch.setenv(var, str(value))
+
+
+def srun_step(monkeypatch, ntasks, nodelist):
+    for var, value in dict(SLURM_STEP_ID=0, SLURM_STEPID=0, SLURM_STEP_NUM_TASKS=ntasks,
+                           SLURM_STEP_NODELIST=nodelist).items():
+        monkeypatch.setenv(var, str(value))
+
+
+def test_detect_env_srun_task(no_slurm_step, monkeypatch):
+    slurm_job(monkeypatch, procid=5)
+    srun_step(monkeypatch, 8, "gpu[12-15]")
     assert rt.detect_launch_env() == dict(rank=5, world_size=8, local_rank=1, launcher="slurm")
     assert os.environ["MASTER_ADDR"] == "gpu12"
     assert os.environ["MASTER_PORT"] == str(20000 + 4242 % 20000)
+
+
+def test_detect_env_srun_step_smaller_than_the_job(no_slurm_step, monkeypatch):
+    """`srun -n 2 --preserve-env` in an 8-task job keeps SLURM_NTASKS=8: the group is the step's 2 tasks."""
+    slurm_job(monkeypatch, procid=1)
+    srun_step(monkeypatch, 2, "gpu[14-15]")
+    assert rt.detect_launch_env() == dict(rank=1, world_size=2, local_rank=1, launcher="slurm")
+    assert os.environ["MASTER_ADDR"] == "gpu14"
+
+
+def test_detect_env_batch_script_is_one_process(no_slurm_step, monkeypatch):
+    """`python train.py` in an sbatch script with --ntasks=8: SLURM_PROCID=0 and SLURM_NTASKS=8 are set,
+    but no srun step started it, so no peer will ever join; it must not wait dist_timeout for them."""
+    slurm_job(monkeypatch, procid=0)
+    assert rt.detect_launch_env() == dict(rank=0, world_size=1, local_rank=0, launcher="none")
+    assert "MASTER_ADDR" not in os.environ and "MASTER_PORT" not in os.environ
+
+
+def test_detect_env_slurm_task_without_step_variables_keeps_the_job_size(no_slurm_step, monkeypatch):
+    """Task 5 cannot be the batch script: as before, the job's SLURM_NTASKS is the world size."""
+    slurm_job(monkeypatch, procid=5)
+    assert rt.detect_launch_env() == dict(rank=5, world_size=8, local_rank=1, launcher="slurm")
+    assert os.environ["MASTER_ADDR"] == "gpu12"
 
 
 def test_single_process_needs_no_rendezvous(no_launch_env):
@@ -151,6 +204,106 @@ def test_resumable_sampler_skips_the_consumed_part_once():
 def test_too_small_training_set_is_a_clear_error():
     with pytest.raises(ValueError, match="fewer than batch_size"):
         rt.build_dataloader(Indices(6), 4, train=True, rank=0, world_size=2, seed=0)
+
+
+# -- dispatch: a bad sample fails its rank's part at the same step as under shard ----------------------
+
+class FailsAt(Indices):
+    """Indices whose samples in `bad` fail to load."""
+
+    def __init__(self, n, bad):
+        super().__init__(n)
+        self.bad = set(bad)
+
+    def __getitem__(self, i):
+        if i in self.bad:
+            raise OSError(f"sample {i} unreadable")
+        return super().__getitem__(i)
+
+
+def read_epoch(batches) -> list:
+    """An epoch read the way the trainer reads it: each batch's samples, or the error raised in its place."""
+    out = []
+    while True:
+        try:
+            out.append(next(batches).tolist())
+        except StopIteration:
+            return out
+        except Exception as exc:  # noqa: BLE001 -- recorded, then reading goes on
+            out.append(f"{type(exc).__name__}: {exc}")
+
+
+def _dispatched_epoch(rank, world_size, n, bad):
+    rt.setup_distributed(rank, world_size, device="cpu", timeout_s=30)
+    try:
+        loader = rt.DispatchLoader(FailsAt(n, bad), 4, rank=rank, world_size=world_size, seed=3)
+        loader.sampler.set_epoch(1)
+        return read_epoch(iter(loader))
+    finally:
+        rt.teardown_distributed()
+
+
+@pytest.mark.multi
+def test_dispatch_fails_only_the_part_with_a_bad_sample_and_reads_on_like_shard():
+    bad = {5, 17, 30}
+    dispatched = spawn(_dispatched_epoch, 2, 40, bad, timeout=60)
+    errors = 0
+    for rank in (0, 1):
+        shard = rt.build_dataloader(FailsAt(40, bad), 4, train=True, rank=rank, world_size=2, seed=3)
+        shard.sampler.set_epoch(1)
+        expected = read_epoch(iter(shard))
+        assert len(dispatched[rank]) == len(expected) == 5  # 40 samples, 2 ranks x 4: every rank 5 steps
+        for got, want in zip(dispatched[rank], expected):
+            if isinstance(want, str):  # the same sample fails the same rank's batch at the same step
+                errors += 1
+                assert got == f"BatchLoadError: {want} (read by rank 0 for rank {rank}, data_strategy dispatch)"
+            else:
+                assert got == want
+    assert errors == len(bad)  # 40 = 2 x 4 x 5: no sample dropped, each bad one fails one batch
+
+
+TRAIN_CFG = dict(hidden_size=32, num_layers=1, num_heads=2, seq_len=16, dataset_size=200, batch_size=8,
+                 max_steps=12, learning_rate=1e-2, warmup_steps=2, log_interval=100, val_interval=0,
+                 save_interval=0, save_every_iters=0, resume="none", device="cpu", dist_timeout=30,
+                 max_errors_per_epoch=10)
+
+
+class FlakySequences(torch.utils.data.Dataset):
+    def __init__(self, base, bad):
+        self.base, self.bad = base, set(bad)
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        if i in self.bad:
+            raise OSError(f"sample {i} unreadable")
+        return self.base[i]
+
+
+def _train_flaky(rank, world_size, root, strategy):
+    # Imported here: the rest of this file tests the runtime without the trainer.
+    from ddp_training import CausalLM, DDPTrainer, TrainConfig, synthetic_lm_data
+    cfg = {**TRAIN_CFG, "data_strategy": strategy, "log_dir": str(Path(root) / "logs"),
+           "checkpoint_dir": str(Path(root) / "ckpt")}
+    data = synthetic_lm_data(TrainConfig.from_dict(TRAIN_CFG))
+    torch.manual_seed(0)
+    s = DDPTrainer(rank=rank, world_size=world_size, config=cfg, model=CausalLM(64, 32, 1, 2, 16),
+                   train_dataset=FlakySequences(data.train, range(0, 200, 37)), val_dataset=data.val).train()
+    return s["status"], s["steps"]
+
+
+@pytest.mark.multi
+def test_dispatch_trains_through_bad_samples_exactly_like_shard(tmp_path):
+    """Before: rank 0's reader died with the bad sample and left the others in a collective until
+    dist_timeout ("rank is stuck"). Now both strategies skip the same batches: the same weights."""
+    for strategy in ("shard", "dispatch"):
+        assert spawn(_train_flaky, 2, str(tmp_path / strategy), strategy, timeout=150) == [("completed", 12)] * 2
+    logs = {s: (tmp_path / s / "logs" / "rank_0.log").read_text() for s in ("shard", "dispatch")}
+    assert logs["shard"].count("failed to load") == logs["dispatch"].count("failed to load") > 0
+    a, b = (torch.load(tmp_path / s / "ckpt" / "model_final.pt", weights_only=True)["model"]
+            for s in ("shard", "dispatch"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 # -- collectives on real processes ---------------------------------------------------
@@ -282,6 +435,113 @@ def test_failed_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert torch.equal(rt.load_checkpoint(path)["v"], torch.ones(3))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt", "c.pt.sha256"]
+
+
+def fail_on_sidecar(monkeypatch):
+    """The disk fills up while the `.sha256` sidecar is written (after the checkpoint itself)."""
+    real = rt._atomic_write
+
+    def write(path, *args, **kwargs):
+        if path.name.endswith(".sha256"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, *args, **kwargs)
+    monkeypatch.setattr(rt, "_atomic_write", write)
+
+
+def test_failed_sidecar_write_leaves_a_checkpoint_that_loads(tmp_path, monkeypatch):
+    path = rt.atomic_save({"v": torch.ones(3)}, tmp_path / "best.pt")
+    fail_on_sidecar(monkeypatch)
+    with pytest.raises(rt.CheckpointError, match="was written, but not its SHA-256 sidecar .*No space left"):
+        rt.atomic_save({"v": torch.zeros(3)}, path)
+    monkeypatch.undo()
+    # The old sidecar went before the new file took the name: the new file loads (unchecked), not
+    # "fails its SHA-256 check" with nothing else left to load.
+    assert torch.equal(rt.load_checkpoint(path)["v"], torch.zeros(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pt"]
+    rt.atomic_save({"v": torch.full((3,), 2.0)}, path)  # the next save checks again
+    assert (tmp_path / "best.pt.sha256").read_text().split()[0] == rt.sha256_file(path)
+
+
+def test_crash_between_sidecar_removal_and_rename_keeps_the_old_checkpoint(tmp_path, monkeypatch):
+    path = rt.atomic_save({"v": torch.ones(3)}, tmp_path / "c.pt")
+    real_replace = os.replace
+
+    def crash(src, dst):
+        if Path(dst) == path:
+            raise OSError(errno.EIO, "killed before the rename")
+        return real_replace(src, dst)
+    monkeypatch.setattr(rt.os, "replace", crash)
+    with pytest.raises(OSError, match="killed before the rename"):
+        rt.atomic_save({"v": torch.zeros(3)}, path)
+    monkeypatch.undo()
+    assert torch.equal(rt.load_checkpoint(path)["v"], torch.ones(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt"]
+
+
+def test_background_writer_holds_no_host_copy_once_written(tmp_path, monkeypatch):
+    """Payloads of one save point share host copies while one of them waits; after the writes the
+    writer holds none (before: its memo kept weights + optimizer in host RAM until the next save)."""
+    release = threading.Event()
+    copies, weight_ptrs = [], []
+    real = rt.atomic_save
+
+    def recording(obj, path):
+        rt.map_tensors(lambda t: copies.append(weakref.ref(t)), obj)
+        weight_ptrs.append(obj["model"]["weight"].data_ptr())
+        release.wait(10)
+        return real(obj, path)
+    monkeypatch.setattr(rt, "atomic_save", recording)
+    model = torch.nn.Linear(256, 256)
+    state = {"exp_avg": torch.randn(256, 256)}
+    writer = rt.CheckpointWriter(background=True)
+    writer.save({"model": model.state_dict()}, tmp_path / "weights.pt", group=7)
+    writer.save({"model": model.state_dict(), "optimizer": state}, tmp_path / "state.pt", group=7)
+    release.set()
+    writer.flush()
+    assert len(weight_ptrs) == 2 and weight_ptrs[0] == weight_ptrs[1]  # one host copy of the weights
+    gc.collect()
+    assert copies and not [r for r in copies if r() is not None]
+    assert torch.equal(rt.load_checkpoint(tmp_path / "state.pt")["model"]["weight"], model.weight.detach())
+    assert writer.close() is None
+
+
+class OffHost(torch.Tensor):
+    """Stands in for a tensor on an accelerator (map_location='cuda') on a machine without one: used
+    directly it is a meta tensor, which torch, numpy and random refuse as they refuse CUDA tensors;
+    its values come only through a copy to the host, `.cpu()`."""
+
+    @staticmethod
+    def __new__(cls, host):
+        t = torch.Tensor._make_subclass(cls, torch.empty_like(host, device="meta"))
+        t.host = host
+        return t
+
+    def cpu(self, *args, **kwargs):
+        return self.host.clone()
+
+
+def draws() -> tuple:
+    return torch.rand(3).tolist(), np.random.rand(3).tolist(), [random.random() for _ in range(3)]
+
+
+def test_rng_state_restores_from_tensors_off_the_host():
+    state = rt.rng_state()
+    expected = draws()
+    off_host = rt.map_tensors(OffHost, state)
+    assert isinstance(off_host["torch"], OffHost) and off_host["torch"].device.type == "meta"
+    rt.set_rng_state(off_host)  # before: TypeError: RNG state must be a torch.ByteTensor
+    assert draws() == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rng_state_restores_after_loading_onto_cuda(tmp_path):
+    path = rt.atomic_save({"rng": rt.rng_state()}, tmp_path / "state.pt")
+    expected = draws() + (torch.rand(3, device="cuda").tolist(),)
+    loaded = rt.load_checkpoint(path, map_location="cuda")["rng"]  # what a resume with map_location=device did
+    assert loaded["torch"].is_cuda and loaded["cuda"][0].is_cuda
+    rt.set_rng_state(loaded)
+    assert draws() + (torch.rand(3, device="cuda").tolist(),) == expected
 
 
 class Boom:
