@@ -22,6 +22,9 @@ ACTIONS_PER_STEP = 250
 ACTION_CHANNELS = 3
 # names of the action channels, in order
 ACTION_CHANNEL_NAMES = ("x", "y", "touch")
+# range of every value of those channels: x and y as fractions of the screen width and height, touch 0..1;
+# the loader refuses files outside it (pixel coordinates would train silently)
+ACTION_VALUE_RANGE = (0.0, 1.0)
 # autoregressive steps penalised by the rollout loss; needs NUM_STEPS - 1 >= ROLLOUT_HORIZON
 ROLLOUT_HORIZON = 2
 # latent steps per second seen by the observer (encoder)

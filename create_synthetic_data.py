@@ -38,6 +38,8 @@ CONTENT_FREQS = np.array([[1, 0], [0, 1], [1, 1], [1, -1], [2, 0], [0, 2]], dtyp
 # float32 elements of one embedding chunk in flight (64 MiB); bounds memory for the real geometry
 CHUNK_ELEMENTS = 1 << 24
 SPLITS = ("train", "val")
+# the command-line flag that names each split's directory, for error messages
+OUTPUT_FLAGS = {"train": "--output_dir", "val": "--val_output_dir"}
 
 # -----------------------------------------------------------------------------------------------------------------
 # the encoder
@@ -197,17 +199,12 @@ def generate(output_dir, num_files=3, trajectories_per_file=10, seed=0,
     """
     check_geometry(steps, patches, embed_dim, actions_per_step, channels)
     output_dir = Path(output_dir)
-    names = {f"{split}_{index:05d}.npz" for index in range(num_files)}
-    others = sorted(p.name for p in output_dir.glob(f"{split}_*.npz") if p.name not in names)
-    if others:  # the loader reads every .npz in the directory: a smaller set would silently be mixed in
-        raise ValueError(f"{output_dir} already holds {len(others)} other {split} files ({', '.join(others[:3])}"
-                         f"{', ...' if len(others) > 3 else ''}) that a loader would read too; remove them or "
-                         f"choose another --output_dir")
+    check_output_dir(output_dir, split, num_files)
     output_dir.mkdir(parents=True, exist_ok=True)
     world = World(patches, embed_dim, world_seed)
     paths = []
-    for index in range(num_files):
-        path = output_dir / f"{split}_{index:05d}.npz"
+    for index, name in enumerate(file_names(split, num_files)):
+        path = output_dir / name
         shapes = write_file(path, world, file_rng(seed, split, index), trajectories_per_file, steps,
                             actions_per_step, channels, np.dtype(dtype), compress, noise, save_states)
         paths.append(path)
@@ -219,6 +216,24 @@ def generate(output_dir, num_files=3, trajectories_per_file=10, seed=0,
         print(f"{split}: {len(paths)} files, {num_files * trajectories_per_file} trajectories, "
               f"{total:,} bytes in {output_dir}")
     return paths
+
+
+def file_names(split, num_files):
+    return [f"{split}_{index:05d}.npz" for index in range(num_files)]
+
+
+def check_output_dir(output_dir, split, num_files):
+    """
+    Refuses a directory holding any .npz that this call will not overwrite: the loader reads every *.npz in
+    a directory, so a leftover file (a larger earlier run, the other split) would silently join this set.
+    """
+    planned = set(file_names(split, num_files))
+    others = sorted(p.name for p in Path(output_dir).glob("*.npz") if p.name not in planned)
+    if others:
+        raise ValueError(f"{output_dir} already holds {len(others)} other .npz files ({', '.join(others[:3])}"
+                         f"{', ...' if len(others) > 3 else ''}) that a loader would read together with the "
+                         f"{split} files; expected a directory without other .npz files: remove them or choose "
+                         f"another {OUTPUT_FLAGS[split]}")
 
 
 def val_split(num_files, trajectories_per_file, val_fraction):
@@ -264,6 +279,11 @@ def parse_args(argv=None):
         check_geometry(*resolve_geometry(args).values())
     except ValueError as exc:
         p.error(str(exc))
+    out = Path(args.output_dir).resolve()
+    if args.val_fraction > 0 and Path(val_output_dir(args)).resolve() == out:
+        p.error(f"--val_output_dir {args.val_output_dir} and --output_dir {args.output_dir} are the same "
+                f"directory ({out}); expected two directories: the loader reads every .npz in a directory, so "
+                f"the validation files would be trained on")
     return args
 
 
@@ -278,18 +298,26 @@ def resolve_geometry(args):
     return {k: d if g is None else g for k, g, d in zip(keys, given, defaults)}
 
 
+def val_output_dir(args):
+    out = Path(args.output_dir).resolve()  # "." has no name of its own
+    return args.val_output_dir or out.with_name(out.name + "_val")
+
+
 def main(argv=None):
     args = parse_args(argv)
     geometry = resolve_geometry(args)
     common = dict(seed=args.seed, dtype=args.dtype, compress=args.compress, noise=args.noise,
                   world_seed=args.world_seed, save_states=args.save_states, verbose=True, **geometry)
+    sets = [(args.output_dir, args.num_files, args.trajectories_per_file, "train")]
+    if args.val_fraction > 0:
+        sets.append((val_output_dir(args), *val_split(args.num_files, args.trajectories_per_file,
+                                                       args.val_fraction), "val"))
     try:
-        generate(args.output_dir, args.num_files, args.trajectories_per_file, split="train", **common)
-        if args.val_fraction > 0:
-            out = Path(args.output_dir).resolve()  # "." has no name of its own
-            val_dir = args.val_output_dir or out.with_name(out.name + "_val")
-            files, per_file = val_split(args.num_files, args.trajectories_per_file, args.val_fraction)
-            generate(val_dir, files, per_file, split="val", **common)
+        # both directories are checked before either is written, so a refusal leaves nothing half-made
+        for output_dir, num_files, _, split in sets:
+            check_output_dir(output_dir, split, num_files)
+        for output_dir, num_files, per_file, split in sets:
+            generate(output_dir, num_files, per_file, split=split, **common)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

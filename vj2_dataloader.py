@@ -33,6 +33,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+import config
+
 KEYS = ("embeddings", "actions")
 LAYOUTS = {"embeddings": "[N, T, P, D]", "actions": "[N, T-1, A, C]"}
 FLOAT_DTYPES = "float16 or float32"
@@ -113,7 +115,7 @@ def validate_npz(path, max_ratio=MAX_COMPRESSION_RATIO, max_bytes=MAX_ARRAY_BYTE
     Checks one .npz file without trusting it and returns its FileInfo; raises DataFileError otherwise.
     Headers are read before any data: dtype, shapes and declared sizes are checked first (so a pickle
     payload or a zip bomb is refused without being unpickled or inflated), then values are scanned for
-    NaN/inf a chunk at a time, so memory stays bounded whatever the file size.
+    NaN/inf (and actions for their range) a chunk at a time, so memory stays bounded whatever the file size.
     """
     path = Path(path)
     check_zip_magic(path)
@@ -204,6 +206,8 @@ def check_shapes(path, emb, act):
     if act[0] != emb[0]:
         raise DataFileError(f"{path}: key 'actions' holds N={act[0]} trajectories but 'embeddings' holds "
                             f"N={emb[0]}; expected the same N")
+    if emb[0] < 1:
+        raise DataFileError(f"{path}: key 'embeddings' has shape {emb}, N=0 trajectories; expected N >= 1")
     if emb[1] < 2:
         raise DataFileError(f"{path}: key 'embeddings' has T={emb[1]} steps; expected T >= 2")
     if act[1] != emb[1] - 1:
@@ -215,26 +219,75 @@ def check_shapes(path, emb, act):
 
 
 def scan_values(path, zf, key, member):
-    """Streams the member's data: checks its length, its CRC and that every value is finite."""
-    step = SCAN_BYTES - SCAN_BYTES % member.dtype.itemsize
-    row = math.prod(member.shape[1:]) or 1
+    """
+    Streams the member's data once: checks its length, its CRC and that every value is finite; for `actions`
+    the same pass gathers each channel's min and max, checked against config.ACTION_VALUE_RANGE at the end.
+    """
+    extrema = {}  # channel -> (min, max), actions only
+    for start, values in read_chunks(path, zf, key, member):
+        bad = ~np.isfinite(values)
+        if bad.any():
+            row = math.prod(member.shape[1:])
+            where = "" if member.fortran_order else f" (first in trajectory {(start + int(bad.argmax())) // row})"
+            raise DataFileError(f"{path}: key '{key}' contains NaN or inf{where}; expected finite values")
+        if key == "actions":
+            for channel, (lo, hi) in channel_extrema(member, start, values).items():
+                old_lo, old_hi = extrema.get(channel, (lo, hi))
+                extrema[channel] = (min(lo, old_lo), max(hi, old_hi))
+    if key == "actions":
+        check_action_range(path, extrema)
+
+
+def read_chunks(path, zf, key, member):
+    """
+    Yields (index of the first element, values) over the member's data and reads to its end, so zipfile
+    verifies the CRC. A chunk holds whole rows of the last axis, so a C-order chunk reshapes to [-1, C].
+    """
+    row_bytes = member.dtype.itemsize * member.shape[-1]
+    step = max(row_bytes, SCAN_BYTES - SCAN_BYTES % row_bytes)
     seen = 0
     with zf.open(member.name) as fp:
         fp.read(member.header_bytes)
         while seen < member.nbytes:
-            buf = fp.read(min(step, member.nbytes - seen))
-            if not buf or len(buf) % member.dtype.itemsize:
+            want = min(step, member.nbytes - seen)
+            buf = fp.read(want)  # ZipExtFile.read returns fewer bytes only at the end of the member
+            if len(buf) != want:
                 raise DataFileError(f"{path}: key '{key}' is truncated: {seen + len(buf):,} of "
                                     f"{member.nbytes:,} data bytes; expected shape {member.shape}")
-            bad = ~np.isfinite(np.frombuffer(buf, member.dtype))
-            if bad.any():
-                where = "" if member.fortran_order else \
-                    f" (first in trajectory {(seen // member.dtype.itemsize + int(bad.argmax())) // row})"
-                raise DataFileError(f"{path}: key '{key}' contains NaN or inf{where}; expected finite values")
+            yield seen // member.dtype.itemsize, np.frombuffer(buf, member.dtype)
             seen += len(buf)
-        # reading to the end makes zipfile verify the member's CRC
         while fp.read(SCAN_BYTES):
             pass
+
+
+def channel_extrema(member, start, values):
+    """
+    {channel: (min, max)} within one chunk starting at element `start`, for the [x, y, touch] channels only:
+    channels beyond them are not defined by the format, so their values are not judged.
+    """
+    channels = member.shape[-1]
+    checked = range(min(channels, len(config.ACTION_CHANNEL_NAMES)))
+    if not member.fortran_order:  # the channel axis varies fastest
+        rows = values.reshape(-1, channels)
+        return {c: (float(rows[:, c].min()), float(rows[:, c].max())) for c in checked}
+    # Fortran order stores each channel as one contiguous block; a chunk may touch several
+    block = math.prod(member.shape[:-1])
+    out = {}
+    for c in range(start // block, (start + len(values) - 1) // block + 1):
+        part = values[max(c * block - start, 0):(c + 1) * block - start]
+        if c in checked:
+            out[c] = (float(part.min()), float(part.max()))
+    return out
+
+
+def check_action_range(path, extrema):
+    low, high = config.ACTION_VALUE_RANGE
+    bad = [f"channel {c} ({config.ACTION_CHANNEL_NAMES[c]}) from {lo:g} to {hi:g}"
+           for c, (lo, hi) in sorted(extrema.items()) if lo < low or hi > high]
+    if bad:
+        raise DataFileError(f"{path}: key 'actions' holds values out of range: {'; '.join(bad)}; expected every "
+                            f"[x, y, touch] value in [{low:g}, {high:g}] (x and y as fractions of the screen "
+                            f"width and height, not pixels)")
 
 # -----------------------------------------------------------------------------------------------------------------
 # the dataset
@@ -258,7 +311,9 @@ class VJ2TrajectoryDataset(Dataset):
     All trajectories of the *.npz files in data_dir (sorted by name), one item per trajectory:
     (embeddings [T, P, D] tensor in the stored dtype, actions [T-1, A*C] float32 tensor).
     Files are validated up front; with skip_bad_files a bad file is warned about and listed in `skipped`
-    instead of raising. All files must share one geometry. rollout_horizon, when given, must fit in T-1.
+    instead of raising. All files must share one geometry; with skip_bad_files the geometry held by the most
+    trajectories is kept and files of another are skipped (a tie is an error). rollout_horizon, when given,
+    must fit in T-1.
     """
 
     def __init__(self, data_dir, skip_bad_files=False, logger=None, rollout_horizon=None,
@@ -267,22 +322,14 @@ class VJ2TrajectoryDataset(Dataset):
         self.cache_files = cache_files
         self.max_open_files = max_open_files
         self.skipped = []  # (path, reason)
-        self.infos = []
+        valid = []
         for path in list_files(self.data_dir):
-            try:
-                self.infos.append(self._checked(validate_npz(path)))
-            except DataFileError as e:
-                if not skip_bad_files:
-                    raise
-                self.skipped.append((path, str(e)))
-                message = f"skipping bad data file: {e}"
-                if logger is not None:
-                    logger.warning(message)
-                else:
-                    warnings.warn(message, stacklevel=2)
+            valid += self._validated(path, skip_bad_files, logger)
+        self.infos = self._one_geometry(valid, skip_bad_files, logger)
         if not self.infos:
-            raise DataFileError(f"{self.data_dir}: no usable .npz files ({len(self.skipped)} skipped, "
-                                f"first: {self.skipped[0][1] if self.skipped else 'none'})")
+            raise DataFileError(f"{self.data_dir}: no usable trajectories: all {len(self.skipped)} .npz files "
+                                f"were skipped (first: {self.skipped[0][1]}); expected at least one valid file "
+                                f"with N >= 1 trajectories")
         self.files = [info.path for info in self.infos]
         self.geometry = self.infos[0].geometry
         # mixed float16/float32 files come out in the wider dtype, so a batch always stacks
@@ -294,11 +341,42 @@ class VJ2TrajectoryDataset(Dataset):
                              f"lower the horizon or use longer trajectories")
         self._reset_caches()
 
-    def _checked(self, info):
-        if self.infos and info.geometry != self.infos[0].geometry:
-            raise DataFileError(f"{info.path}: geometry {info.geometry} differs from {self.infos[0].path}: "
-                                f"{self.infos[0].geometry}; expected one geometry for all files of a dataset")
-        return info
+    def _validated(self, path, skip_bad_files, logger):
+        """[FileInfo] of a good file, [] of a skipped one."""
+        try:
+            return [validate_npz(path)]
+        except DataFileError as e:
+            if not skip_bad_files:
+                raise
+            self._skip(path, e, logger)
+            return []
+
+    def _one_geometry(self, infos, skip_bad_files, logger):
+        """The files of the one geometry to train on; with skip_bad_files the others are skipped."""
+        groups = {}
+        for info in infos:
+            groups.setdefault(info.geometry, []).append(info)
+        if len(groups) <= 1:
+            return infos
+        if not skip_bad_files:
+            raise DataFileError(f"{self.data_dir}: files disagree on the geometry: {describe_groups(groups)}; "
+                                f"expected one geometry for all files of a dataset")
+        reference = majority_geometry(self.data_dir, groups)
+        held_by = describe_groups({reference: groups[reference]})
+        for info in infos:
+            if info.geometry != reference:
+                self._skip(info.path, DataFileError(
+                    f"{info.path}: geometry {info.geometry} differs from {held_by}, the geometry of most "
+                    f"trajectories; expected one geometry for all files of a dataset"), logger)
+        return groups[reference]
+
+    def _skip(self, path, error, logger):
+        self.skipped.append((path, str(error)))
+        message = f"skipping bad data file: {error}"
+        if logger is not None:
+            logger.warning(message)
+        else:
+            warnings.warn(message, stacklevel=4)  # the line that built the dataset
 
     def _reset_caches(self):
         self._mapped = OrderedDict()  # file index -> (embeddings, actions) np.memmap
@@ -345,6 +423,31 @@ class VJ2TrajectoryDataset(Dataset):
     def summary(self):
         return (f"{self.data_dir}: {len(self.files)} files, {len(self)} trajectories, "
                 f"{len(self.skipped)} skipped, geometry {self.geometry} ({self.dtype.name})")
+
+
+def majority_geometry(data_dir, groups):
+    """
+    The geometry held by the most trajectories in {geometry: [FileInfo]}. Not the first file's: a leftover file
+    that sorts first must not outvote the data set. A tie has no right answer, so it is an error naming the
+    competing geometries and their files.
+    """
+    held = {geometry: sum(info.n for info in infos) for geometry, infos in groups.items()}
+    top = [geometry for geometry in groups if held[geometry] == max(held.values())]
+    if len(top) > 1:
+        raise DataFileError(f"{data_dir}: files disagree on the geometry and no geometry is held by the most "
+                            f"trajectories: {describe_groups({g: groups[g] for g in top})}; expected one geometry "
+                            f"for all files (remove the files of the wrong one)")
+    return top[0]
+
+
+def describe_groups(groups, max_files=3):
+    """'<geometry> in a.npz, b.npz (N trajectories); ...' for {geometry: [FileInfo]}."""
+    parts = []
+    for geometry, infos in groups.items():
+        names = ", ".join(str(info.path) for info in infos[:max_files])
+        more = f" and {len(infos) - max_files} more files" if len(infos) > max_files else ""
+        parts.append(f"{geometry} in {names}{more} ({sum(info.n for info in infos)} trajectories)")
+    return "; ".join(parts)
 
 
 def lru_get(cache, key, limit, load):

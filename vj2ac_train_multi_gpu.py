@@ -21,6 +21,7 @@ holding `predictor`, `global_step`, `predictor_config` and `val_loss` once a val
 import argparse
 import json
 import sys
+from contextlib import contextmanager
 from functools import partial
 
 import numpy as np
@@ -32,7 +33,7 @@ from torch.utils.data import Dataset
 import config
 import ddp_runtime as rt
 from ddp_training import DDPTrainer, evaluate_model
-from vj2_dataloader import VJ2TrajectoryDataset
+from vj2_dataloader import VJ2TrajectoryDataset, list_files
 
 # -----------------------------------------------------------------------------------------------------------------
 # the predictor
@@ -153,12 +154,36 @@ class BadInput(Exception):
     """A user error (flag, file, checkpoint): reported in one line, exit status 2."""
 
 
-def load_dataset(flag, path, args, logger=None):
+@contextmanager
+def blamed_on(flag):
+    """Reports a data error as a BadInput naming the flag that pointed at the data."""
     try:
-        return VJ2TrajectoryDataset(path, skip_bad_files=args.skip_bad_files, logger=logger,
-                                    rollout_horizon=args.rollout_horizon)
+        yield
     except (ValueError, OSError) as exc:  # DataFileError and the horizon check are ValueErrors
         raise BadInput(f"{flag}: {exc}") from exc
+
+
+def load_dataset(flag, path, args, logger=None):
+    with blamed_on(flag):
+        return VJ2TrajectoryDataset(path, skip_bad_files=args.skip_bad_files, logger=logger,
+                                    rollout_horizon=args.rollout_horizon)
+
+
+def check_disjoint(args):
+    """
+    Refuses training and validation data that share a file: the validation loss would then score trajectories
+    the predictor trained on and hide overfitting. Runs on the file lists, before any file is read.
+    """
+    files = []
+    for flag, data_dir in (("--processed_data_dir", args.processed_data_dir),
+                           ("--validation_data_dir", args.validation_data_dir)):
+        with blamed_on(flag):
+            files.append({path.resolve() for path in list_files(data_dir)})
+    shared = sorted(files[0] & files[1])
+    if shared:
+        raise BadInput(f"--processed_data_dir {args.processed_data_dir} and --validation_data_dir "
+                       f"{args.validation_data_dir} share {len(shared)} .npz files (e.g. {shared[0]}); expected "
+                       f"disjoint training and validation data")
 
 
 class ShuffledActions(Dataset):
@@ -316,6 +341,7 @@ def train(args, launch):
     # Every rank validates the data before any process group exists, so a bad file or a horizon that does
     # not fit fails each rank on its own within seconds instead of leaving the others waiting in a collective.
     try:
+        check_disjoint(args)
         train_set = load_dataset("--processed_data_dir", args.processed_data_dir, args, log)
         val_set = load_dataset("--validation_data_dir", args.validation_data_dir, args, log)
         if val_set.geometry != train_set.geometry:

@@ -61,13 +61,60 @@ def test_cli_current_dir_bad_flags_and_leftover_files(tmp_path, monkeypatch, cap
     assert [p.name for p in (tmp_path / "data_val").glob("*.npz")] == ["val_00000.npz"]
     # a smaller set into the same directory would be read together with the old files
     assert gen.main(["--output_dir", ".", *small[2:], "--num_files", "1"]) == 2
-    assert "already holds 1 other train files (train_00001.npz)" in capsys.readouterr().err
+    assert "already holds 1 other .npz files (train_00001.npz)" in capsys.readouterr().err
     for argv, message in [(["--trajectories_per_file", "0"], "--trajectories_per_file must be >= 1"),
                           (["--noise", "-1"], "--noise must be >= 0"),
                           (["--num_steps", "1"], "--num_steps must be >= 2")]:
         with pytest.raises(SystemExit) as exc:
             gen.main(["--output_dir", "x", *argv])
         assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_cli_refuses_a_validation_set_in_the_training_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    small = ["--num_files", "2", "--trajectories_per_file", "2", "--num_steps", "3", "--patches", "2",
+             "--embed_dim", "4", "--actions_per_step", "2", "--val_fraction", "0.5"]
+    # the loader would read the val file as training data
+    with pytest.raises(SystemExit) as exc:
+        gen.main(["--output_dir", "mix", "--val_output_dir", "./mix/", *small])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--val_output_dir ./mix/ and --output_dir mix are the same directory" in err
+    assert not (tmp_path / "mix").exists()
+
+
+@pytest.mark.parametrize("leftover, where", [("val_00000.npz", "train"), ("a_old.npz", "train"),
+                                             ("train_00000.npz", "val"), ("notes.npz", "val")])
+def test_cli_refuses_any_other_npz_before_writing_anything(tmp_path, capsys, leftover, where):
+    dirs = {"train": tmp_path / "train", "val": tmp_path / "val"}
+    dirs[where].mkdir()
+    (dirs[where] / leftover).write_bytes(b"leftover")
+    small = ["--num_files", "1", "--trajectories_per_file", "2", "--num_steps", "3", "--patches", "2",
+             "--embed_dim", "4", "--actions_per_step", "2"]
+    argv = ["--output_dir", str(dirs["train"]), "--val_fraction", "1", "--val_output_dir", str(dirs["val"]), *small]
+    assert gen.main(argv) == 2
+    err = capsys.readouterr().err
+    flag = "--output_dir" if where == "train" else "--val_output_dir"
+    assert f"already holds 1 other .npz files ({leftover})" in err and f"choose another {flag}" in err
+    # both directories are checked first, so neither got a file
+    assert sorted(p.name for d in dirs.values() if d.exists() for p in d.iterdir()) == [leftover]
+    (dirs[where] / leftover).unlink()
+    assert gen.main(argv) == 0
+    # rewriting the same set over itself is allowed: it replaces exactly the files it names
+    assert gen.main(argv) == 0
+
+
+def test_generated_actions_stay_in_range_even_as_float16():
+    rng = np.random.default_rng(0)
+    low, high = config.ACTION_VALUE_RANGE
+    # cursors on the screen's edges and corners, where interpolation rounding could step outside
+    corners = np.array([[0, 0], [1, 1], [0, 1], [1, 0], [1, 0.5], [0, 0.5]], dtype=np.float64)
+    for cursor in (np.repeat(corners, 2000, axis=0), rng.random((12000, 2))):
+        xy, touch = gen.sample_gestures(rng, cursor, actions_per_step=50)
+        assert xy.min() >= low and xy.max() <= high and set(np.unique(touch)) <= {0.0, 1.0}
+    _, actions = gen.simulate(rng, 3000, 8, 50, channels=4)
+    for stored in (actions, actions.astype(np.float16)):
+        assert stored.min() >= low and stored.max() <= high
+    assert not actions[..., 3:].any()  # extra channels are zero
 
 
 def test_cli_real_shapes_and_validation_set(tmp_path, capsys):
@@ -255,6 +302,22 @@ def write_nan(p):
     np.savez(p, embeddings=emb, actions=act)
 
 
+def write_no_trajectories(p):
+    emb, act = good()
+    np.savez(p, embeddings=emb[:0], actions=act[:0])
+
+
+def write_pixel_actions(p):
+    emb, act = good()
+    np.savez(p, embeddings=emb, actions=act * 1e4)  # pixel coordinates instead of fractions of the screen
+
+
+def write_negative_touch_float16(p):
+    emb, act = good()
+    act[1, 2, 3, 2] = -1
+    np.savez(p, embeddings=emb, actions=act.astype(np.float16))
+
+
 def write_pickle(p):
     payload = np.array([Tripwire(p.with_name("unpickled"))], dtype=object)
     np.savez(p, embeddings=good()[0], actions=payload)  # unsafe-on-purpose: np.savez pickles object arrays
@@ -275,6 +338,11 @@ BAD_FILES = {
     "step_mismatch": (write_step_mismatch, ["key 'actions'", "has 4 steps", "expected T-1 = 3"]),
     "int_dtype": (write_int_dtype, ["key 'embeddings'", "dtype int32", "expected float16 or float32"]),
     "nan": (write_nan, ["key 'embeddings'", "NaN or inf", "trajectory 1", "expected finite"]),
+    "no_trajectories": (write_no_trajectories, ["key 'embeddings'", "(0, 4, 16, 32)", "N=0", "expected N >= 1"]),
+    "pixel_actions": (write_pixel_actions, ["key 'actions'", "channel 0 (x) from", "channel 1 (y) from",
+                                            "channel 2 (touch) from", "expected every [x, y, touch] value in [0, 1]"]),
+    "negative_touch": (write_negative_touch_float16, ["key 'actions'", "channel 2 (touch) from -1 to 0.99",
+                                                      "expected every [x, y, touch] value in [0, 1]"]),
     "pickle": (write_pickle, ["key 'actions'", "pickle", "refusing to unpickle"]),
     "bomb_header": (write_bomb_header, ["key 'embeddings'", "declares shape (1000000, 8, 256, 1024)", "zip bomb"]),
 }
@@ -312,6 +380,25 @@ def test_nan_is_found_in_a_later_chunk(tmp_path, monkeypatch):
         validate_npz(tmp_path / "late.npz")
 
 
+@pytest.mark.parametrize("fortran", [False, True])
+def test_action_range_is_checked_per_channel_in_any_chunk_and_layout(tmp_path, monkeypatch, fortran):
+    monkeypatch.setattr(vj2_dataloader, "SCAN_BYTES", 100)  # many chunks, cutting through channel blocks
+    emb, _ = good(n=5)
+    act = np.random.default_rng(1).random((5, 3, 10, 4)).astype(np.float32)
+    act[0, 0, 0, :3], act[0, 0, 1, :3] = 0.0, 1.0  # the bounds themselves are valid
+    act[..., 3] = 7.0  # a fourth channel is not [x, y, touch]: the format says nothing about its range
+    layout = np.asfortranarray if fortran else np.ascontiguousarray
+    np.savez(tmp_path / "ok.npz", embeddings=emb, actions=layout(act))
+    assert validate_npz(tmp_path / "ok.npz").members["actions"].fortran_order == fortran
+    act[4, 2, 9, 1] = 1.5  # the last y value of the file
+    np.savez(tmp_path / "bad.npz", embeddings=emb, actions=layout(act))
+    with pytest.raises(DataFileError) as err:
+        validate_npz(tmp_path / "bad.npz")
+    message = str(err.value)
+    assert "key 'actions'" in message and "channel 1 (y) from 0 to 1.5" in message
+    assert "channel 0" not in message and "channel 2" not in message and "channel 3" not in message
+
+
 def test_geometry_mismatch_names_both_files(tmp_path):
     gen.generate(tmp_path, num_files=1, trajectories_per_file=2, **SMALL)
     np.savez(tmp_path / "zz_other.npz", embeddings=np.zeros((2, 4, 16, 8), np.float16), actions=good()[1])
@@ -340,6 +427,58 @@ def test_skip_bad_files_skips_counts_and_warns(data_dir, caplog):
     with caplog.at_level(logging.WARNING):
         VJ2TrajectoryDataset(data_dir, skip_bad_files=True, logger=logging.getLogger("vj2test"))
     assert sum("skipping bad data file" in r.message for r in caplog.records) == 2
+
+
+def test_skip_bad_files_skips_files_without_trajectories_and_refuses_an_empty_dataset(data_dir):
+    write_no_trajectories(data_dir / "empty.npz")
+    with pytest.warns(UserWarning, match="empty.npz.*N=0"):
+        ds = VJ2TrajectoryDataset(data_dir, skip_bad_files=True)
+    assert len(ds) == 12 and [p.name for p, _ in ds.skipped] == ["empty.npz"]
+    for path in data_dir.glob("train_*.npz"):
+        path.unlink()
+    with pytest.warns(UserWarning), pytest.raises(DataFileError) as err:
+        VJ2TrajectoryDataset(data_dir, skip_bad_files=True)
+    assert "no usable trajectories: all 1 .npz files were skipped" in str(err.value)
+    assert "empty.npz" in str(err.value) and "expected at least one valid file" in str(err.value)
+
+
+def geometry_mix(root, old_trajectories, good_trajectories):
+    """A leftover a_old.npz with T=5 that sorts first, and two good T=4 files."""
+    gen.generate(root, num_files=2, trajectories_per_file=good_trajectories, **SMALL)
+    (old,) = gen.generate(root / "old", num_files=1, trajectories_per_file=old_trajectories, **{**SMALL, "steps": 5})
+    old.rename(root / "a_old.npz")
+    return root
+
+
+def test_skip_bad_files_keeps_the_geometry_of_most_trajectories_not_the_first_file(tmp_path):
+    data = geometry_mix(tmp_path, old_trajectories=2, good_trajectories=5)
+    with pytest.raises(DataFileError) as err:
+        VJ2TrajectoryDataset(data)
+    for text in ("a_old.npz", "train_00000.npz", "train_00001.npz", "T=5", "T=4", "expected one geometry"):
+        assert text in str(err.value)
+    with pytest.warns(UserWarning, match="a_old.npz: geometry T=5 .* differs from T=4"):
+        ds = VJ2TrajectoryDataset(data, skip_bad_files=True)
+    assert ds.geometry.steps == 4 and len(ds) == 10
+    assert [p.name for p in ds.files] == ["train_00000.npz", "train_00001.npz"]
+    assert [p.name for p, _ in ds.skipped] == ["a_old.npz"]
+
+
+def test_skip_bad_files_counts_trajectories_not_files(tmp_path):
+    data = geometry_mix(tmp_path, old_trajectories=7, good_trajectories=3)
+    with pytest.warns(UserWarning, match="geometry T=4 .* differs from T=5"):
+        ds = VJ2TrajectoryDataset(data, skip_bad_files=True)
+    assert ds.geometry.steps == 5 and len(ds) == 7
+    assert [p.name for p, _ in ds.skipped] == ["train_00000.npz", "train_00001.npz"]
+
+
+def test_geometry_tie_is_an_error_even_with_skip_bad_files(tmp_path):
+    data = geometry_mix(tmp_path, old_trajectories=6, good_trajectories=3)
+    with pytest.raises(DataFileError) as err:
+        VJ2TrajectoryDataset(data, skip_bad_files=True)
+    message = str(err.value)
+    assert "no geometry is held by the most trajectories" in message
+    for text in ("T=5", "a_old.npz (6 trajectories)", "T=4", "train_00000.npz, ", "train_00001.npz (6 trajectories)"):
+        assert text in message
 
 
 def test_rollout_horizon_longer_than_trajectories_is_refused(data_dir):
