@@ -14,17 +14,31 @@ Usage: ./launch_training.sh [OPTIONS] [-- SCRIPT_ARGS...]
   -l, --log-dir DIR         log directory (rank_N.log, metrics.jsonl)
   -c, --checkpoint-dir DIR  checkpoint directory
       --cpu                 train on the CPU with gloo (also the fallback when no GPU is found)
-      --nproc N             processes on the CPU (default 2)
+      --nproc N             processes per node: on the CPU (default 2), or on the GPUs (default one per
+                            selected GPU; more processes than GPUs is an error)
       --test                quick run: tiny model, few steps
       --debug               verbose logs from every rank, TORCH_DISTRIBUTED_DEBUG=INFO,
                             NCCL_DEBUG=INFO, CUDA_LAUNCH_BLOCKING=1
-      --script FILE         training script (default ddp_training.py; e.g. vj2ac_train_multi_gpu.py)
+      --script FILE         training script (default ddp_training.py; e.g. vj2ac_train_multi_gpu.py);
+                            a relative path not found in the current directory is taken from the
+                            launcher's own directory, so the launcher works from any directory
       --nnodes N            number of nodes (default 1: torchrun --standalone)
       --node-rank R         this node's rank (multi-node)
       --master-addr HOST    rendezvous host (multi-node)
       --master-port PORT    rendezvous port (multi-node, default 29500)
       --max-restarts N      let torchrun restart the group N times after a failure (resumes)
   -h, --help                show this help
+
+GPUs are counted with nvidia-smi, or with torch.cuda.device_count() where nvidia-smi is missing or fails.
+
+Signals: SIGTERM, SIGINT, SIGHUP, SIGQUIT and SIGUSR1 are forwarded once to torchrun, which passes them to
+the workers; the trainers save and exit. Workers get TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default here
+300, torchrun's own default is 30) to finish before torchrun kills them.
+
+Exit status: 0 the run finished; 75 the run was stopped by a signal and left a PREEMPTED marker in its log
+dir (relaunch the same command to resume); 2 bad arguments; otherwise torchrun's status.
+The marker is looked for in the log dir given with -l/--log_dir, else in the scripts' defaults
+(runs/*/, checkpoints/*/ and the -c/--checkpoint_dir dir); pass -l when a --config file moves it.
 
 Examples:
   ./launch_training.sh --cpu --test
@@ -42,6 +56,9 @@ script_args=()
 
 need() { [[ $# -ge 2 && -n "$2" && "$2" != -* ]] || die "option $1 needs a value"; }
 is_uint() { [[ "$1" =~ ^[0-9]+$ ]]; }
+# Decimal, whatever the leading zeros: bash arithmetic reads 08 as (invalid) octal. At most 18 digits,
+# so the value fits bash's 64-bit arithmetic instead of wrapping around.
+to_uint() { is_uint "$1" && (( ${#1} <= 18 )) && echo "$((10#$1))"; }
 
 while [[ $# -gt 0 ]]; do
     case "$1" in
@@ -66,12 +83,25 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 
-for pair in "batch-size:$batch" "epochs:$epochs" "nproc:$nproc" "nnodes:$nnodes" \
-            "node-rank:$node_rank" "master-port:$master_port" "max-restarts:$max_restarts"; do
-    name=${pair%%:*} value=${pair#*:}
-    [[ -z "$value" ]] || is_uint "$value" || die "--$name expects a non-negative integer, got '$value'"
+for pair in batch-size:batch epochs:epochs nproc:nproc nnodes:nnodes node-rank:node_rank \
+            master-port:master_port max-restarts:max_restarts; do
+    flag=${pair%%:*} var=${pair#*:}
+    value=${!var}
+    [[ -n "$value" ]] || continue
+    number=$(to_uint "$value") || die "--$flag expects a non-negative integer (decimal digits), got '$value'"
+    printf -v "$var" '%s' "$number"
 done
-[[ -f "$script" ]] || die "--script '$script' does not exist"
+grace=$(to_uint "${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}") || die "TORCH_ELASTIC_SHUTDOWN_TIMEOUT expects" \
+    "seconds as a non-negative integer, got '$TORCH_ELASTIC_SHUTDOWN_TIMEOUT'"
+
+# The kit's scripts live next to the launcher: `--script ddp_training.py` (the default) must work from
+# any directory, while a script in the current directory still wins.
+self=$(readlink -f "${BASH_SOURCE[0]}" 2>/dev/null) || self=${BASH_SOURCE[0]}  # through a symlink in ~/bin
+here=$(CDPATH='' cd -- "$(dirname -- "$self")" && pwd)
+if [[ ! -f "$script" && "$script" != /* && -f "$here/$script" ]]; then
+    script="$here/$script"
+fi
+[[ -f "$script" ]] || die "--script '$script' does not exist (looked in the current directory and in $here)"
 (( nnodes >= 1 )) || die "--nnodes must be >= 1"
 (( node_rank < nnodes )) || die "--node-rank $node_rank must be < --nnodes $nnodes"
 if (( nnodes > 1 )) && [[ -z "$master_addr" ]]; then
@@ -80,12 +110,17 @@ fi
 
 python=${PYTHON:-python3}
 
+# How many GPUs this node has. Containers often ship the CUDA runtime without nvidia-smi (or with one that
+# cannot reach NVML); torch then answers. It counts only the GPUs CUDA_VISIBLE_DEVICES leaves visible,
+# which the caller handles like nvidia-smi's full count.
 detected_gpus() {
-    if command -v nvidia-smi >/dev/null 2>&1; then
-        nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | grep -c . || true
-    else
-        echo 0
+    local listing count
+    if listing=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null); then
+        grep -c . <<< "$listing" || true
+        return
     fi
+    count=$("$python" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null) || count=0
+    is_uint "$count" && echo "$count" || echo 0
 }
 
 device_args=()
@@ -106,8 +141,8 @@ if (( cpu == 0 )); then
         (( ${#ids[@]} > 0 )) || die "--gpus expects ids like 0,1"
         seen=","
         chosen=()
-        for id in "${ids[@]}"; do
-            is_uint "$id" || die "--gpus: '$id' is not a GPU id"
+        for given in "${ids[@]}"; do
+            id=$(to_uint "$given") || die "--gpus: '$given' is not a GPU id"
             (( id < available )) || die "--gpus: GPU $id does not exist ($available GPU(s) visible)"
             [[ "$seen" != *",$id,"* ]] || die "--gpus: GPU $id listed twice"
             seen="$seen$id,"
@@ -115,9 +150,9 @@ if (( cpu == 0 )); then
         done
         CUDA_VISIBLE_DEVICES=$(IFS=','; echo "${chosen[*]}")
         export CUDA_VISIBLE_DEVICES
-        nproc=${#ids[@]}
+        selected=${#ids[@]} selection="--gpus $gpus"
     elif (( available > 0 )); then
-        nproc=${nproc:-$available}
+        selected=$available selection="$available GPU(s) visible"
     else
         echo "launch_training.sh: no GPU detected, falling back to the CPU (gloo)" >&2
         cpu=1
@@ -129,6 +164,12 @@ if (( cpu == 1 )); then
     nproc=${nproc:-2}
     device_args=(--device cpu --dist-backend gloo)
 else
+    # Each worker takes cuda:LOCAL_RANK; a process past the last GPU would fail only once CUDA starts.
+    nproc=${nproc:-$selected}
+    if (( nproc > selected )); then
+        die "--nproc $nproc asks for more processes than GPUs: $selected selected ($selection);" \
+            "one process per GPU, or --cpu for CPU processes"
+    fi
     device_args=(--device cuda)
 fi
 (( nproc >= 1 )) || die "--nproc must be >= 1"
@@ -165,6 +206,99 @@ if (( max_restarts > 0 )); then
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 fi
 
+# torchrun's default of 30 s before it SIGKILLs workers after a stop signal can cut a large checkpoint
+# write short (a resumable state is about 3x the fp32 weights, written after the in-flight async write);
+# 300 s covers several GB on slow shared storage. The variable, not --shutdown_timeout: a torch without it
+# ignores a variable but rejects an unknown flag.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=$grace
+
 cmd=("${launcher[@]}" "$script" "${args[@]}")
-printf 'launch_training.sh: running:'; printf ' %q' "${cmd[@]}"; printf '\n'
-exec "${cmd[@]}"
+printf 'launch_training.sh: running: TORCH_ELASTIC_SHUTDOWN_TIMEOUT=%s' "$grace"
+printf ' %q' "${cmd[@]}"; printf '\n'
+
+# -- preemption ------------------------------------------------------------------------------------------
+# torchrun turns a stop signal into exit 1 and a traceback, even when every worker saved and exited 75, and
+# it does not pass the workers' codes on. The trainer's own proof of a resumable stop is the PREEMPTED
+# marker, written by rank 0 only once the state is on disk and removed when a run starts. So torchrun runs
+# as a child and the launcher exits 75 when torchrun failed and a marker newer than this launch exists in
+# the run's log dir; a --config file can name another log dir, which the launcher does not read.
+marker_dirs() {
+    local explicit=() ckpts=() i a
+    [[ -n "$log_dir" ]] && explicit+=("$log_dir")
+    [[ -n "$ckpt_dir" ]] && ckpts+=("$ckpt_dir")
+    for (( i = 0; i < ${#script_args[@]}; i++ )); do
+        a=${script_args[i]}
+        case "$a" in
+            --log_dir=*|--log-dir=*)               explicit+=("${a#*=}") ;;
+            --log_dir|--log-dir)                   explicit+=("${script_args[i + 1]:-}") ;;
+            --checkpoint_dir=*|--checkpoint-dir=*) ckpts+=("${a#*=}") ;;
+            --checkpoint_dir|--checkpoint-dir)     ckpts+=("${script_args[i + 1]:-}") ;;
+        esac
+    done
+    if (( ${#explicit[@]} )); then
+        printf '%s\n' "${explicit[@]}"
+    else  # ddp_training.py: runs/<run_name>; vj2ac_train_multi_gpu.py: the checkpoint dir (checkpoints/<run_name>)
+        printf '%s\n' "${ckpts[@]+"${ckpts[@]}"}" runs/* checkpoints/*
+    fi
+}
+
+new_marker() {
+    local dir
+    while IFS= read -r dir; do
+        if [[ -n "$dir" && -f "$dir/PREEMPTED" && "$dir/PREEMPTED" -nt "$stamp" ]]; then
+            echo "$dir/PREEMPTED"
+            return
+        fi
+    done < <(marker_dirs)
+}
+
+# Forward the first signal only. torchrun restarts its shutdown wait on a second stop signal and, on a
+# third, gives up on its workers mid-save and exits (torch 2.13, elastic agent run()); repeated Ctrl-C or a
+# scheduler's warning and final signals must not get there.
+forwarded="" child=""
+forward() {
+    if [[ -n "$forwarded" ]]; then
+        echo "launch_training.sh: SIG$1 received; already stopping on SIG$forwarded, the workers have up to" \
+             "${grace}s to save" >&2
+        return 0  # a bare return in a trap gives the interrupted wait's status (> 128), and set -e exits
+    fi
+    forwarded=$1
+    [[ -n "$child" ]] || return 0  # not started yet: sent right after the start below
+    kill -s "$1" "$child" 2>/dev/null || true
+}
+
+stamp=$(mktemp "${TMPDIR:-/tmp}/launch_training.XXXXXX") || die "cannot create a file in ${TMPDIR:-/tmp} (set TMPDIR)"
+trap 'rm -f "$stamp"' EXIT
+for sig in TERM INT HUP QUIT USR1; do trap "forward $sig" "$sig"; done
+
+# A session of its own, so a Ctrl-C on the terminal (or a signal to this script's process group) reaches
+# only this script, which forwards it once, and not torchrun as well. Bash starts background jobs with
+# SIGINT and SIGQUIT ignored and stdin on /dev/null: torchrun gets the defaults and the real stdin back
+# (a breakpoint() in a worker can read the terminal).
+"$python" -c 'import os, signal, sys
+os.setsid()
+for s in (signal.SIGINT, signal.SIGQUIT):
+    signal.signal(s, signal.SIG_DFL)
+os.execvp(sys.argv[1], sys.argv[1:])' "${cmd[@]}" <&0 &
+child=$!
+[[ -z "$forwarded" ]] || kill -s "$forwarded" "$child" 2>/dev/null || true
+
+# A trapped signal cuts `wait` short (status > 128) while torchrun still runs: wait again. The last wait
+# gives torchrun's own status even when a signal cut the one before short.
+while kill -0 "$child" 2>/dev/null; do wait "$child" || true; done
+status=0
+wait "$child" || status=$?
+
+if (( status != 0 )); then
+    marker=$(new_marker)
+    if [[ -n "$marker" ]]; then
+        echo "launch_training.sh: the run was preempted ($marker: $(head -c 300 "$marker" | tr -d '\n'));" \
+             "exiting 75, relaunch the same command to resume" >&2
+        exit 75
+    fi
+    if [[ -n "$forwarded" ]]; then
+        echo "launch_training.sh: stopped by SIG$forwarded, but no PREEMPTED marker newer than the launch in:" \
+             "$(marker_dirs | tr '\n' ' ')(pass -l when a --config sets the log dir)" >&2
+    fi
+fi
+exit "$status"

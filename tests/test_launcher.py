@@ -1,0 +1,234 @@
+"""launch_training.sh and scripts/slurm_example.sbatch: GPU counting, numbers, the script's location, the
+exit code of a preempted run, and the SLURM run name. Most cases put a fake `torchrun` (it prints its
+arguments) and fake GPU tools on PATH, so they take well under a second; the signal tests run real ranks."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import REPO, background, clean_env, run, wait_for_step
+
+LAUNCHER = REPO / "launch_training.sh"
+SBATCH = REPO / "scripts" / "slurm_example.sbatch"
+EXIT_PREEMPTED = 75
+
+
+def executable(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+@pytest.fixture
+def fake_bin(tmp_path) -> Path:
+    """A directory for fake commands, holding a `torchrun` that prints the GPUs and the shutdown grace it was
+    given, each argument as [arg], and then runs FAKE_TORCHRUN_THEN (shell) if set."""
+    bin_dir = tmp_path / "bin"
+    executable(bin_dir / "torchrun", '#!/bin/sh\necho "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset}"\n'
+                                     'echo "grace=$TORCH_ELASTIC_SHUTDOWN_TIMEOUT"\n'
+                                     'printf "[%s]" "$@"; echo\neval "${FAKE_TORCHRUN_THEN:-}"\n')
+    return bin_dir
+
+
+def launch(argv, cwd, bin_dir, timeout=30, launcher=LAUNCHER, **env):
+    """The launcher with `bin_dir` first on PATH and the test's Python as PYTHON."""
+    path = f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin"
+    return run(["bash", launcher, *argv], cwd=cwd, timeout=timeout,
+               env=clean_env(PATH=path, PYTHON=sys.executable, **env))
+
+
+def fake_nvidia_smi(bin_dir: Path, gpus: int) -> None:
+    executable(bin_dir / "nvidia-smi", "#!/bin/sh\n" + "".join(f"echo {i}\n" for i in range(gpus)))
+
+
+def fake_torch(root: Path, gpus: int) -> Path:
+    """A `torch` package whose only content is torch.cuda.device_count(), for the launcher's GPU count."""
+    executable(root / "torch" / "__init__.py", f"class cuda:\n    device_count = staticmethod(lambda: {gpus})\n")
+    return root
+
+
+def failed(r, *words):
+    assert r.returncode == 2 and all(w in r.stdout for w in words), r.stdout
+    assert "[--standalone]" not in r.stdout  # torchrun never started
+
+
+# -- GPUs and --nproc ---------------------------------------------------------------------------------------
+
+def test_gpu_mode_refuses_more_processes_than_gpus(tmp_path, fake_bin):
+    fake_nvidia_smi(fake_bin, 2)
+    failed(launch(["--nproc", "4"], tmp_path, fake_bin), "--nproc 4", "2 selected")
+    failed(launch(["--gpus", "0,1", "--nproc", "3"], tmp_path, fake_bin), "--nproc 3", "2 selected (--gpus 0,1)")
+    r = launch(["--nproc", "2"], tmp_path, fake_bin)
+    assert r.returncode == 0 and "[--nproc_per_node][2]" in r.stdout and "[--device][cuda]" in r.stdout, r.stdout
+    r = launch(["--gpus", "1"], tmp_path, fake_bin)  # one process per listed GPU
+    assert r.returncode == 0 and "[--nproc_per_node][1]" in r.stdout and "CUDA_VISIBLE_DEVICES=1" in r.stdout
+
+
+@pytest.mark.parametrize("nvidia_smi", ["failing", "missing"])
+def test_gpus_are_counted_by_torch_without_a_working_nvidia_smi(tmp_path, fake_bin, nvidia_smi):
+    if nvidia_smi == "failing":  # as in a container where the binary is mounted but NVML is not
+        executable(fake_bin / "nvidia-smi", "#!/bin/sh\necho 'Failed to initialize NVML' >&2\nexit 9\n")
+    elif any((Path(d) / "nvidia-smi").exists() for d in ("/usr/bin", "/bin")):
+        pytest.skip("this machine has nvidia-smi in /usr/bin")
+    pythonpath = f"{fake_torch(tmp_path / 'fake', 3)}{os.pathsep}{REPO}"
+    r = launch([], tmp_path, fake_bin, PYTHONPATH=pythonpath)
+    assert r.returncode == 0 and "[--nproc_per_node][3]" in r.stdout and "[--device][cuda]" in r.stdout, r.stdout
+    failed(launch(["--nproc", "4"], tmp_path, fake_bin, PYTHONPATH=pythonpath), "--nproc 4", "3 selected")
+    # torch without CUDA: the CPU, as before
+    r = launch([], tmp_path, fake_bin, PYTHONPATH=f"{fake_torch(tmp_path / 'none', 0)}{os.pathsep}{REPO}")
+    assert r.returncode == 0 and "falling back to the CPU" in r.stdout and "[--device][cpu]" in r.stdout, r.stdout
+
+
+def test_numbers_are_read_as_decimal(tmp_path, fake_bin):
+    r = launch(["--cpu", "--nproc", "08", "-e", "010"], tmp_path, fake_bin)
+    assert r.returncode == 0 and "[--nproc_per_node][8]" in r.stdout and "[--num_epochs][10]" in r.stdout, r.stdout
+    fake_nvidia_smi(fake_bin, 2)
+    failed(launch(["--gpus", "09"], tmp_path, fake_bin), "GPU 9 does not exist")
+    failed(launch(["--cpu", "--nproc", "1" * 19], tmp_path, fake_bin), "--nproc expects a non-negative integer")
+    failed(launch(["--cpu", "--nproc", "0x2"], tmp_path, fake_bin), "--nproc expects a non-negative integer", "'0x2'")
+    failed(launch(["--cpu"], tmp_path, fake_bin, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="soon"),
+           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT expects seconds", "'soon'")
+
+
+def test_torchrun_gives_the_workers_300_s_to_save_unless_told_otherwise(tmp_path, fake_bin):
+    r = launch(["--cpu"], tmp_path, fake_bin)
+    assert r.returncode == 0 and "grace=300" in r.stdout and "running: TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300 " in r.stdout
+    r = launch(["--cpu"], tmp_path, fake_bin, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="0900")
+    assert r.returncode == 0 and "grace=900" in r.stdout, r.stdout
+
+
+# -- where the script is --------------------------------------------------------------------------------------
+
+def test_the_default_script_is_found_from_any_directory(tmp_path, fake_bin):
+    r = launch(["--cpu"], tmp_path, fake_bin)
+    assert r.returncode == 0 and f"[{REPO / 'ddp_training.py'}]" in r.stdout, r.stdout
+    link = tmp_path / "tools" / "launch"  # a symlink to the launcher, as in ~/bin
+    link.parent.mkdir()
+    link.symlink_to(LAUNCHER)
+    r = launch(["--cpu", "--script", "vj2ac_train_multi_gpu.py"], tmp_path, fake_bin, launcher=link)
+    assert r.returncode == 0 and f"[{REPO / 'vj2ac_train_multi_gpu.py'}]" in r.stdout, r.stdout
+    (tmp_path / "ddp_training.py").write_text("")  # a script in the current directory wins
+    r = launch(["--cpu"], tmp_path, fake_bin)
+    assert r.returncode == 0 and "[ddp_training.py]" in r.stdout, r.stdout
+    failed(launch(["--cpu", "--script", "missing.py"], tmp_path, fake_bin), "--script 'missing.py' does not exist",
+           str(REPO))
+
+
+# -- exit status: 75 for a preempted run ------------------------------------------------------------------------
+
+def write_marker(path: Path, step: int = 7) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"step": step}) + "\n")
+
+
+@pytest.mark.parametrize("argv, log_dir", [
+    ([], "runs/lm"),                                                          # ddp_training.py's default
+    (["--", "--run_name", "x"], "runs/x"),
+    (["-l", "logs"], "logs"),
+    (["--", "--log-dir=elsewhere"], "elsewhere"),
+    (["--script", "vj2ac_train_multi_gpu.py", "-c", "ck"], "ck"),             # vj2ac: log dir = checkpoint dir
+    (["--script", "vj2ac_train_multi_gpu.py"], "checkpoints/vj2ac"),
+])
+def test_a_failed_torchrun_with_a_new_marker_exits_75(tmp_path, fake_bin, argv, log_dir):
+    r = launch(["--cpu", *argv], tmp_path, fake_bin,
+               FAKE_TORCHRUN_THEN=f"mkdir -p {log_dir} && echo '{{\"step\": 7}}' > {log_dir}/PREEMPTED; exit 1")
+    assert r.returncode == EXIT_PREEMPTED, r.stdout
+    assert f"the run was preempted ({log_dir}/PREEMPTED" in r.stdout and "relaunch" in r.stdout
+
+
+def test_an_old_marker_or_a_clean_exit_is_not_a_preemption(tmp_path, fake_bin):
+    write_marker(tmp_path / "runs" / "lm" / "PREEMPTED")  # left by an earlier run
+    old = time.time() - 3600
+    os.utime(tmp_path / "runs" / "lm" / "PREEMPTED", (old, old))
+    r = launch(["--cpu"], tmp_path, fake_bin, FAKE_TORCHRUN_THEN="exit 3")
+    assert r.returncode == 3 and "preempted" not in r.stdout, r.stdout
+    # With -l the marker is only looked for there, not in other runs' dirs.
+    r = launch(["--cpu", "-l", "mine"], tmp_path, fake_bin, FAKE_TORCHRUN_THEN="touch runs/lm/PREEMPTED; exit 1")
+    assert r.returncode == 1, r.stdout
+    r = launch(["--cpu"], tmp_path, fake_bin, FAKE_TORCHRUN_THEN="touch runs/lm/PREEMPTED; exit 0")
+    assert r.returncode == 0, r.stdout
+
+
+def launcher_run(tmp_path):
+    """A real 2-rank CPU run through the launcher, from a directory without the scripts, with many steps."""
+    env = clean_env(PYTHON=sys.executable, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    cmd = ["bash", LAUNCHER, "--cpu", "--nproc", "2", "-l", "logs", "-c", "ckpt", "--",
+           "--test", "--max_steps", "100000", "--val_interval", "0", "--log_interval", "1"]
+    return background(cmd, tmp_path, env=env)
+
+
+def check_preempted(tmp_path, out: str) -> None:
+    marker = json.loads((tmp_path / "logs" / "PREEMPTED").read_text())
+    assert marker["step"] >= 3 and (tmp_path / "ckpt" / f"model_state_step_{marker['step']}.pt").exists(), out
+    assert "the run was preempted" in out
+
+
+@pytest.mark.multi
+def test_sigterm_to_the_launcher_exits_75_after_the_workers_saved(tmp_path):
+    with launcher_run(tmp_path) as proc:
+        wait_for_step(tmp_path / "logs" / "metrics.jsonl", 3, timeout=90)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == EXIT_PREEMPTED, out[-4000:]
+    check_preempted(tmp_path, out)
+    assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300" in out
+
+
+@pytest.mark.multi
+def test_repeated_ctrl_c_reaches_torchrun_once(tmp_path):
+    """A Ctrl-C goes to the terminal's whole process group. torchrun gives up on its workers mid-save at its
+    third stop signal (torch 2.13), so it must get a Ctrl-C only once, from the launcher. The workers are
+    held stopped (a slow save) while Ctrl-C is pressed three times."""
+    with launcher_run(tmp_path) as proc:
+        wait_for_step(tmp_path / "logs" / "metrics.jsonl", 3, timeout=90)
+        agent, *workers = psutil.Process(proc.pid).children(recursive=True)
+        assert agent.name() == "pt_elastic" and len(workers) == 2, (agent, workers)
+        for p in workers:
+            p.suspend()
+        for _ in range(3):
+            os.killpg(proc.pid, signal.SIGINT)  # the launcher leads the group, as a shell's foreground job
+            time.sleep(0.5)
+        assert agent.is_running() and proc.poll() is None, "torchrun gave up on its workers"
+        for p in workers:
+            p.resume()
+        out, _ = proc.communicate(timeout=60)
+        _, alive = psutil.wait_procs([agent, *workers], timeout=5)
+    assert proc.returncode == EXIT_PREEMPTED and not alive, out[-4000:]
+    assert out.count("SIGINT received; already stopping on SIGINT") == 2, out[-4000:]
+    check_preempted(tmp_path, out)
+
+
+# -- SLURM ---------------------------------------------------------------------------------------------------
+
+def sbatch(tmp_path, fake_bin, marker: bool, **env):
+    """The sbatch script with fake srun (prints its arguments, optionally leaves a PREEMPTED marker in the
+    --log_dir it was given) and scontrol (prints what it was asked)."""
+    preempt = 'while [[ $1 != --log_dir ]]; do shift; done; mkdir -p "$2"; echo "{}" > "$2/PREEMPTED"; exit 75\n'
+    executable(fake_bin / "srun", '#!/bin/bash\nprintf "[%s]" "$@"; echo\n' + (preempt if marker else ""))
+    executable(fake_bin / "scontrol", '#!/bin/sh\n[ "$1" = show ] && echo node1 || echo "scontrol $*"\n')
+    slurm = dict(SLURM_JOB_NAME="ddp-train", SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node1")
+    return run(["bash", SBATCH, "--max_steps", "10"], cwd=tmp_path, timeout=30,
+               env=clean_env(PATH=f"{fake_bin}:/usr/bin:/bin", **slurm, **env))
+
+
+def test_slurm_run_name_is_unique_per_job_and_requeues_on_preemption(tmp_path, fake_bin):
+    assert subprocess.run(["bash", "-n", SBATCH]).returncode == 0
+    r = sbatch(tmp_path, fake_bin, marker=False)
+    assert r.returncode == 0, r.stdout
+    assert "[--log_dir][runs/ddp-train-4242][--checkpoint_dir][checkpoints/ddp-train-4242]" in r.stdout, r.stdout
+    assert "[--max_steps][10]" in r.stdout and "requeue" not in r.stdout
+    r = sbatch(tmp_path, fake_bin, marker=False, RUN_NAME="shared")
+    assert "[--log_dir][runs/shared][--checkpoint_dir][checkpoints/shared]" in r.stdout, r.stdout
+    r = sbatch(tmp_path, fake_bin, marker=True)
+    assert r.returncode == EXIT_PREEMPTED and "scontrol requeue 4242" in r.stdout, r.stdout
+    # The marker of that attempt does not requeue a later one that fails before training starts.
+    r = sbatch(tmp_path, fake_bin, marker=False)
+    assert "requeue" not in r.stdout, r.stdout
