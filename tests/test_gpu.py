@@ -110,3 +110,20 @@ def test_single_gpu_training_run_loss_falls(tmp_path, no_launch_env):
     name = torch.cuda.get_device_name(0)
     if any(k in name for k in DDPTrainer.PEAK_BF16_FLOPS):  # MFU is reported where the peak is known
         assert all(0 < r["mfu"] < 1 for r in records)
+
+
+def test_single_gpu_stop_and_resume_continues_the_run(tmp_path, no_launch_env):
+    # The state's RNG streams must reach torch/CUDA as CPU tensors whatever device the weights train on;
+    # bit-identity is a CPU promise (GPU kernels may sum in another order), continuity is checked here.
+    from test_resume import SignalAt
+    cfg = dict(hidden_size=32, num_layers=2, num_heads=2, seq_len=32, dataset_size=256, batch_size=16,
+               max_steps=12, learning_rate=1e-2, warmup_steps=2, log_interval=100, val_interval=0,
+               save_every_iters=5, device="cuda", log_dir=str(tmp_path / "logs"),
+               checkpoint_dir=str(tmp_path / "ckpt"))
+    first = DDPTrainer(rank=0, world_size=1, config=cfg, loss_fn=SignalAt(7)).train()
+    assert first["status"] == "interrupted" and first["steps"] == 7
+    second = DDPTrainer(rank=0, world_size=1, config=cfg).train()
+    assert second["status"] == "completed" and second["resumed_from"].endswith("model_state_step_7.pt")
+    assert [r["step"] for r in metrics(tmp_path / "logs", "train")] == list(range(1, 13))
+    state = torch.load(tmp_path / "ckpt" / "model_state_step_10.pt", weights_only=True)
+    assert "cuda" in state["rng"][0] and state["rng"][0]["torch"].device.type == "cpu"
