@@ -520,14 +520,23 @@ class _DispatchSampler:
 
 class BatchLoadError(RuntimeError):
     """A batch that rank 0 could not read for a rank under `--data_strategy dispatch`; raised by the
-    loader's iterator on that rank, so the trainer handles it like a bad sample under `shard`."""
+    loader's iterator on that rank, so the trainer handles it like a bad sample under `shard`.
+    `fatal`: rank 0's reader itself broke (a dead worker, a broken stream), not one sample."""
+
+    def __init__(self, text: str, fatal: bool = False):
+        super().__init__(text)
+        self.fatal = fatal
+
+
+class CollectiveFailed(RuntimeError):
+    """A collective outside the training step failed (a peer is gone or stuck): not a data error."""
 
 
 class _FailedSample:
     """Stands in for a sample (or a rank's part) that raised while rank 0 read it."""
 
-    def __init__(self, text: str):
-        self.text = text
+    def __init__(self, text: str, fatal: bool = False):
+        self.text, self.fatal = text, fatal
 
 
 class _TolerantDataset(Dataset):
@@ -582,7 +591,9 @@ class DispatchLoader:
         self.reader = None
         if rank == 0:
             if isinstance(dataset, torch.utils.data.IterableDataset):
-                self.reader = DataLoader(dataset, batch_size=batch_size * world_size, collate_fn=parts)
+                # drop_last as for training under shard: a short last global batch would leave a rank no samples
+                self.reader = DataLoader(dataset, batch_size=batch_size * world_size, collate_fn=parts,
+                                         drop_last=True)
             else:
                 self.reader = build_dataloader(_TolerantDataset(dataset), batch_size * world_size, train=True,
                                                rank=0, world_size=1, seed=seed, collate_fn=parts, **loader_kwargs)
@@ -628,7 +639,8 @@ class _DispatchIterator:
             self.ended = True
             raise StopIteration
         if isinstance(mine, _FailedSample):
-            raise BatchLoadError(f"{mine.text} (read by rank 0 for rank {self.loader.rank}, data_strategy dispatch)")
+            raise BatchLoadError(f"{mine.text} (read by rank 0 for rank {self.loader.rank}, data_strategy dispatch)",
+                                 fatal=mine.fatal)
         return mine
 
     def _read(self) -> list:
@@ -638,14 +650,17 @@ class _DispatchIterator:
             return next(self.batches)
         except StopIteration:
             return [None] * world_size
-        except Exception as exc:  # not one sample (a dead worker, a broken stream): every rank's part failed
-            return [_FailedSample(f"{type(exc).__name__}: {exc}")] * world_size
+        except Exception as exc:  # not one sample (a dead worker, a broken stream): the reader is done for
+            return [_FailedSample(f"{type(exc).__name__}: {exc}", fatal=True)] * world_size
 
     @staticmethod
     def _receive(parts: Optional[list]):
         if dist.is_available() and dist.is_initialized():
             mine = [None]
-            dist.scatter_object_list(mine, parts, src=0)
+            try:
+                dist.scatter_object_list(mine, parts, src=0)
+            except Exception as exc:  # rank 0 is gone or stuck: the trainer must not take it for bad data
+                raise CollectiveFailed(f"{type(exc).__name__}: {exc}") from exc
             return mine[0]
         return parts[0]
 

@@ -23,6 +23,7 @@ import os
 import random
 import socket
 import sys
+import tempfile
 import time
 import traceback
 import typing
@@ -490,18 +491,22 @@ class StepTally:
 def next_batch(batches) -> Any:
     try:
         return next(batches)
-    except StopIteration:
+    except (StopIteration, rt.CollectiveFailed):
         raise
     except Exception as exc:  # agreed on in the step, counted or fatal
         text = f"{type(exc).__name__}: {exc}"
         worker_died = "DataLoader worker" in text and ("exited unexpectedly" in text or "killed by signal" in text)
-        return BatchError(text, fatal=worker_died)
+        return BatchError(text, fatal=worker_died or getattr(exc, "fatal", False))
+
+
+# What gloo's and NCCL's failures say; gloo raises them as plain RuntimeErrors
+COLLECTIVE_ERROR_TEXT = ("gloo", "nccl", "connection closed by peer", "connection reset by peer", "pair closure")
 
 
 def is_collective_error(exc: BaseException) -> bool:
-    """A communication failure (a peer died or timed out) surfacing in a backward's gradient all-reduce."""
+    """A communication failure (a peer died or timed out) surfacing in a forward's or backward's collective."""
     text = str(exc).lower()
-    return isinstance(exc, dist.DistError) or "gloo" in text or "nccl" in text
+    return isinstance(exc, (dist.DistError, rt.CollectiveFailed)) or any(t in text for t in COLLECTIVE_ERROR_TEXT)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -514,7 +519,8 @@ def to_device(batch, device: torch.device, non_blocking: bool):
 
 @torch.no_grad()
 def evaluate_model(model: nn.Module, loader, loss_fn: LossFn, device: torch.device,
-                   autocast=contextlib.nullcontext, non_blocking: bool = False) -> dict:
+                   autocast=contextlib.nullcontext, non_blocking: bool = False,
+                   log: Optional[logging.Logger] = None) -> dict:
     """Mean loss (and extras) over a sharded set: each rank runs its shard, sums and counts are
     all-reduced, so the result equals one process evaluating the whole set. Pass the bare model:
     a DDP forward here would make ranks with different shard lengths wait on each other."""
@@ -522,7 +528,7 @@ def evaluate_model(model: nn.Module, loader, loss_fn: LossFn, device: torch.devi
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     extras: dict = {}
-    error = None
+    error, failure = None, None
     try:  # no collective inside the loop, so a rank may leave it early; the gather below tells the others
         for batch in loader:
             batch = to_device(batch, device, non_blocking)
@@ -534,13 +540,15 @@ def evaluate_model(model: nn.Module, loader, loss_fn: LossFn, device: torch.devi
                 extras[name] = extras.get(name, 0.0) + v.double()
     except Exception as exc:
         where = traceback.extract_tb(exc.__traceback__)[-1]
-        error = f"{type(exc).__name__}: {exc} (at {Path(where.filename).name}:{where.lineno})"
+        error, failure = f"{type(exc).__name__}: {exc} (at {Path(where.filename).name}:{where.lineno})", exc
+        if log is not None:
+            log.error("evaluation raised on this rank: %s", traceback.format_exc())
     finally:
         model.train(was_training)
     reports = rt.gather_objects((sorted(extras), error))
     failed = [f"rank {r}: {e}" for r, (_, e) in enumerate(reports) if e]
     if failed:
-        raise EvaluationFailed("evaluation failed on " + "; ".join(failed))
+        raise EvaluationFailed("evaluation failed on " + "; ".join(failed)) from failure
     # A rank whose shard is empty saw no extras; every rank must pack the same names.
     names = sorted(set().union(*(n for n, _ in reports)))
     zero = torch.zeros((), dtype=torch.float64, device=device)
@@ -668,13 +676,17 @@ class DDPTrainer:
         self.test_loader = loader(test_dataset, False) if test_dataset is not None else None
         self.non_blocking = pin
 
+        stream = False
         try:
             batches_per_epoch = len(self.train_loader)
         except TypeError:  # a stream: an epoch lasts until it ends, the run until max_steps
+            stream = True
             if not cfg.max_steps:
                 raise ValueError("a training set without a length (a stream) needs max_steps") from None
             batches_per_epoch = cfg.max_steps * cfg.grad_accum_steps
         self.steps_per_epoch = batches_per_epoch // cfg.grad_accum_steps
+        # what the records state: a stream's epoch ends when the stream does, whatever steps that takes
+        self.known_steps_per_epoch = None if stream else self.steps_per_epoch
         if self.steps_per_epoch < 1:
             raise ValueError(f"{batches_per_epoch} batches per epoch are fewer than "
                              f"grad_accum_steps={cfg.grad_accum_steps}")
@@ -766,8 +778,8 @@ class DDPTrainer:
         """The names of the loss's extras, agreed at this process's first step (one gather, once)."""
         if self.extra_names is None:
             seen = rt.gather_objects(mine)
-            if any(names != seen[0] for names in seen):
-                raise ValueError("loss_fn returned different extras on different ranks at the first step: "
+            if any(names != seen[0] for names in seen):  # every rank knows it: fail together, nothing to save
+                raise StepFailed("loss_fn returned different extras on different ranks at the first step: "
                                  + "; ".join(f"rank {r}: {names}" for r, names in enumerate(seen)))
             self.extra_names = mine
         return self.extra_names
@@ -959,7 +971,7 @@ class DDPTrainer:
     def evaluate(self, loader=None) -> dict:
         """Mean loss over the whole set (the validation set by default), on all ranks."""
         return evaluate_model(self.raw_model, loader or self.val_loader, self.loss_fn, self.env.device,
-                              self._autocast, self.non_blocking)
+                              self._autocast, self.non_blocking, self.log)
 
     # -- checkpoints and metrics ------------------------------------------------
 
@@ -1101,10 +1113,9 @@ class DDPTrainer:
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
-        self.patience_ref = math.inf  # a state written before it was saved: its best_val was the reference
         for k, v in state["counters"].items():
             setattr(self, k, v)
-        if "patience_ref" not in state["counters"]:
+        if "patience_ref" not in state["counters"]:  # a state from before it was saved: best_val was the reference
             self.patience_ref = self.best_val
         mine = state["rng"][self.env.rank]
         self.loader_rng = dict(mine["loader"])
@@ -1117,7 +1128,8 @@ class DDPTrainer:
         self._metrics_file.flush()
         if self._tb is not None and "step" in record:
             for key, value in record.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("step", "type"):
+                if (isinstance(value, (int, float)) and not isinstance(value, bool)
+                        and key not in ("step", "type", "steps_per_epoch")):
                     self._tb.add_scalar(f"{record['type']}/{key}", value, record["step"])
 
     def _open_tensorboard(self):
@@ -1165,7 +1177,7 @@ class DDPTrainer:
             self.save_checkpoint("best")
         extra = {f"val_{k}": v for k, v in res.items() if k not in ("loss", "count")}
         self.write_metrics({"type": "val", "step": self.global_step, "epoch": self.epoch,
-                            "steps_per_epoch": self.steps_per_epoch,
+                            "steps_per_epoch": self.known_steps_per_epoch,
                             "val_loss": res["loss"], **extra, "time": time.time() - self.t0,
                             **({"loss_floor": self.data_info["loss_floor"]} if "loss_floor" in self.data_info
                                else {})})
@@ -1249,6 +1261,9 @@ class DDPTrainer:
                     micro = [next_batch(batches) for _ in range(cfg.grad_accum_steps)]
                 except StopIteration:  # a stream ran dry; dispatch tells every rank at once
                     break
+                except rt.CollectiveFailed as exc:  # dispatch: rank 0 is gone or stuck
+                    self._save_weights_here()
+                    raise self._explain_failure(exc) from exc
                 step_t = time.time()
                 first = not self.stepped
                 try:
@@ -1264,7 +1279,8 @@ class DDPTrainer:
                     self.stepped = True
                 except StepFailed:
                     raise
-                except StepAbandoned:
+                except StepAbandoned as exc:  # the marker first: the others wait for it while the weights are saved
+                    rt.write_failure_marker(self.cfg.log_dir, self.env.rank, self.global_step + 1, exc)
                     self._save_weights_here()
                     raise
                 except Exception as exc:  # a peer died or hung: say which and where, then fail
@@ -1391,8 +1407,7 @@ class DDPTrainer:
         old = [p for p in self.state_files() if int(p.stem.rsplit("_", 1)[-1]) > self.global_step]
         if not old:
             return
-        aside = self.ckpt_dir / f"previous_states.{int(time.time())}"
-        aside.mkdir()
+        aside = Path(tempfile.mkdtemp(prefix=f"previous_states.{int(time.time())}.", dir=self.ckpt_dir))
         for p in old:
             for f in (p, Path(str(p) + ".sha256")):
                 if f.exists():
@@ -1461,7 +1476,7 @@ class DDPTrainer:
                    "test_loss": None if test is None else test["loss"], "wall_time_s": round(wall, 3),
                    "samples_per_s": self.samples_seen / wall if wall > 0 else None,
                    "skipped_steps": self.skipped_steps, "world_size": self.env.world_size,
-                   "steps_per_epoch": self.steps_per_epoch, "global_batch": self._global_batch(),
+                   "steps_per_epoch": self.known_steps_per_epoch, "global_batch": self._global_batch(),
                    "peak_rss_gb": memory["cpu_peak_rss_gb"], "peak_anon_gb": memory["cpu_peak_anon_gb"],
                    **self.data_info}
         if self.env.device.type == "cuda":

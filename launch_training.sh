@@ -275,10 +275,14 @@ for sig in TERM INT HUP QUIT USR1; do trap "forward $sig" "$sig"; done
 # only this script, which forwards it once, and not torchrun as well. Bash starts background jobs with
 # SIGINT and SIGQUIT ignored and stdin on /dev/null: torchrun gets the defaults and the real stdin back
 # (a breakpoint() in a worker can read the terminal).
-"$python" -c 'import os, signal, sys
+"$python" -c 'import ctypes, os, signal, sys
 os.setsid()
 for s in (signal.SIGINT, signal.SIGQUIT):
     signal.signal(s, signal.SIG_DFL)
+try:  # Linux: a launcher killed outright (SIGKILL, the OOM killer) still stops torchrun, which saves
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG, kept across exec
+except (OSError, AttributeError):
+    pass
 os.execvp(sys.argv[1], sys.argv[1:])' "${cmd[@]}" <&0 &
 child=$!
 [[ -z "$forwarded" ]] || kill -s "$forwarded" "$child" 2>/dev/null || true

@@ -35,7 +35,7 @@ from typing import Optional
 
 METRICS_FILE = "metrics.jsonl"
 # Keys of train/val records that are coordinates or labels, not metrics to plot.
-NOT_METRICS = {"type", "step", "epoch", "time"}
+NOT_METRICS = {"type", "step", "epoch", "time", "steps_per_epoch"}
 # Every memory peak a trainer may log; "peak memory" is the largest of them.
 PEAK_KEYS = ("cpu_peak_rss_gb", "peak_rss_gb", "cuda_peak_gb")
 SUMMARY_FIELDS = ("name", "status", "steps", "sessions", "final_val_loss", "best_val_loss", "test_loss",

@@ -1,6 +1,7 @@
 """Sharded vs dispatched data: the same global batches, so the same weights; a stream that
 only rank 0 can read ends on every rank at the same step."""
 
+import time
 from pathlib import Path
 
 import pytest
@@ -90,3 +91,38 @@ def test_an_iterable_training_set_needs_dispatch(tmp_path, no_launch_env):
     with pytest.raises(ValueError, match="data_strategy dispatch"):
         DDPTrainer(config={**CFG, "log_dir": str(tmp_path)}, model=CausalLM(64, 32, 1, 2, 16),
                    train_dataset=Stream(data.train, 64))
+
+
+class StallsOnce(torch.utils.data.Dataset):
+    """Rank 0's reads stall for longer than dist_timeout at the start of step 2."""
+
+    def __init__(self, base, at):
+        self.base, self.at, self.calls = base, at, 0
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        self.calls += 1
+        if self.calls == self.at:
+            time.sleep(12)
+        return self.base[i]
+
+
+def _stalled(rank, world_size, root):
+    cfg = {**CFG, "data_strategy": "dispatch", "dist_timeout": 5, "log_dir": str(Path(root) / "logs"),
+           "checkpoint_dir": str(Path(root) / "ckpt")}
+    data = synthetic_lm_data(TrainConfig.from_dict(cfg))
+    torch.manual_seed(0)
+    try:
+        DDPTrainer(rank=rank, world_size=world_size, config=cfg, model=CausalLM(64, 32, 1, 2, 16),
+                   train_dataset=StallsOnce(data.train, at=2 * CFG["batch_size"] + 1), val_dataset=data.val).train()
+        return "completed"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_dispatch_with_a_stuck_rank_0_names_the_timeout_not_bad_data(tmp_path):
+    # the other rank's scatter times out: a failed collective, never a data error replayed as its own failure
+    _, other = spawn(_stalled, 2, str(tmp_path), timeout=90)
+    assert other.startswith("StepFailed: step 2: a collective did not complete within dist_timeout=5s"), other

@@ -137,7 +137,7 @@ def test_failure_in_backward_on_one_rank_is_named_on_the_other(tmp_path):
 
 def test_failure_half_way_through_backward_is_named_on_the_other_and_keeps_the_weights(tmp_path):
     # small buckets: DDP has reduced some of them when the backward dies, so the step cannot be replayed
-    extra = {"num_layers": 2, "bucket_cap_mb": 0.01}
+    extra = {"num_layers": 2, "bucket_cap_mb": 0.01, "save_every_iters": 3}
     r0, r1 = spawn(_run, 2, str(tmp_path), 1, 4, "raise_mid_backward", extra, timeout=90)
     assert r1["error"].startswith("StepAbandoned: step 4 failed on rank 1: RuntimeError in backward: injected "
                                   "failure half-way through backward"), r1
@@ -146,6 +146,8 @@ def test_failure_half_way_through_backward_is_named_on_the_other_and_keeps_the_w
     assert r0["seconds"] < 45
     saved = torch.load(tmp_path / "ckpt" / "model_interrupted.pt", weights_only=True)
     assert saved["global_step"] == 3
+    after_step_3 = torch.load(tmp_path / "ckpt" / "model_state_step_3.pt", weights_only=True)["model"]
+    assert all(torch.equal(saved["model"][k], v) for k, v in after_step_3.items())  # the failed step changed nothing
 
 
 def test_failure_in_an_accumulating_backward_is_named_on_the_other(tmp_path):

@@ -232,3 +232,16 @@ def test_slurm_run_name_is_unique_per_job_and_requeues_on_preemption(tmp_path, f
     # The marker of that attempt does not requeue a later one that fails before training starts.
     r = sbatch(tmp_path, fake_bin, marker=False)
     assert "requeue" not in r.stdout, r.stdout
+
+
+@pytest.mark.multi
+def test_a_launcher_killed_outright_still_stops_the_run_with_a_save(tmp_path):
+    # torchrun runs in a session of its own: without a parent-death signal it would train on, orphaned
+    with launcher_run(tmp_path) as proc:
+        wait_for_step(tmp_path / "logs" / "metrics.jsonl", 3, timeout=90)
+        family = psutil.Process(proc.pid).children(recursive=True)
+        proc.kill()
+        proc.communicate(timeout=30)
+        _, alive = psutil.wait_procs(family, timeout=60)
+    assert not alive, alive
+    assert json.loads((tmp_path / "logs" / "PREEMPTED").read_text())["step"] >= 3
