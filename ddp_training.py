@@ -1058,8 +1058,8 @@ class DDPTrainer:
             return None
         explicit = mode != "auto"
         candidates = [Path(mode)] if explicit else list(reversed(self.state_files()))
-        # What _apply_state changes, as it is now, to put back if a state fails half-way through
-        fresh = rt.host_snapshot(self._state([self._rng_streams()] * self.env.world_size)) if candidates else None
+        # A state that fails half-way leaves a mix behind; the next one to load overwrites all of it, and
+        # when none loads the run stops instead of starting fresh from the mix.
         chosen, error = None, None
         for path in candidates:
             try:
@@ -1071,11 +1071,13 @@ class DDPTrainer:
                 error = ("refused", str(exc))
                 break
             except (rt.CheckpointError, RuntimeError, KeyError, ValueError) as exc:
-                self._apply_state(fresh, Path("the initial state"))  # a failed state leaves no trace
                 if explicit:
                     error = ("unreadable", f"--resume {path}: {exc}")
                     break
                 self.log.warning("cannot resume from %s (%s); trying the previous state", path, exc)
+        if chosen is None and candidates and error is None:  # starting fresh would overwrite the run's weights
+            error = ("unreadable", f"none of the {len(candidates)} resumable states in {self.ckpt_dir} loads (see "
+                                   f"the warnings above); resume none or another run_name starts fresh")
         everyone = rt.gather_objects((None if chosen is None else str(chosen), error))
         distinct = {e for _, e in everyone if e}
         if distinct:  # usually the same error on every rank; otherwise say which rank saw what
@@ -1100,23 +1102,33 @@ class DDPTrainer:
 
     def _apply_state(self, state: dict, path: Path) -> None:
         missing = {"run", "model", "optimizer", "scheduler", "scaler", "counters", "rng"} - set(state)
-        if missing or len(state["rng"]) != self.env.world_size:
-            raise KeyError(f"{path} is not a resumable state of this run (missing {sorted(missing)} or "
-                           f"RNG streams for another number of ranks)")
+        if missing:
+            raise KeyError(f"{path} is not a resumable state: it lacks {sorted(missing)}")
+        # Another configuration is refused, never taken for damage: falling back past it would start
+        # fresh and overwrite the finished run's weights.
         for key, value in self._run_signature().items():
             if state["run"][key] != value:
                 raise StateMismatch(f"{path} was written with {key}={state['run'][key]}, this run has "
-                                    f"{key}={value}; resuming with a different {key} is refused (use --resume "
-                                    f"none to start fresh, or the original setting)")
-        self.raw_model.load_state_dict(state["model"])
+                                    f"{key}={value}; resuming with a different {key} is refused (resume none "
+                                    f"or another run_name starts fresh; or use the original setting)")
+        if len(state["rng"]) != self.env.world_size:
+            raise KeyError(f"{path} holds RNG streams of {len(state['rng'])} ranks, this run has "
+                           f"{self.env.world_size}")
+        try:
+            self.raw_model.load_state_dict(state["model"])
+        except RuntimeError as exc:
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            raise StateMismatch(f"{path} holds another model ({lines[1] if len(lines) > 1 else lines[0]} ...); "
+                                f"resuming it is refused (resume none or another run_name starts fresh; or use "
+                                f"the original model settings)") from exc
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
-        for k, v in state["counters"].items():
+        counters = {"epoch_data_errors": 0, **state["counters"]}  # a state from before these were saved:
+        counters.setdefault("patience_ref", counters["best_val"])    # best_val was the reference then
+        for k, v in counters.items():
             setattr(self, k, v)
-        if "patience_ref" not in state["counters"]:  # a state from before it was saved: best_val was the reference
-            self.patience_ref = self.best_val
         mine = state["rng"][self.env.rank]
         self.loader_rng = dict(mine["loader"])
         rt.set_rng_state(mine)

@@ -143,29 +143,49 @@ def _break_rng(state):
 
 @pytest.mark.parametrize("damage", [_break_optimizer, _break_rng], ids=["optimizer", "rng"])
 def test_a_state_that_fails_half_way_leaves_no_trace(tmp_path, no_launch_env, damage):
-    """The newest state loads part of itself, then fails: the run starts fresh (weights, optimizer, schedule,
-    counters and RNG streams as a run that never tried), not from a mix."""
-    DDPTrainer(config=cfg_for(tmp_path, max_steps=5)).train()
-    path = tmp_path / "ckpt" / "model_state_step_5.pt"
-    state = rt.load_checkpoint(path)
+    """The newest state loads part of itself, then fails: the run continues from the previous state exactly
+    (weights, optimizer, schedule, counters and RNG streams), not from a mix of the two."""
+    ckpt = tmp_path / "ckpt"
+    DDPTrainer(config=cfg_for(tmp_path, max_steps=10)).train()  # states 5 and 10
+    state = rt.load_checkpoint(ckpt / "model_state_step_10.pt")
     damage(state)
-    rt.atomic_save(state, path)
-    resumed = DDPTrainer(config=cfg_for(tmp_path / "again", checkpoint_dir=str(tmp_path / "ckpt")))
+    rt.atomic_save(state, ckpt / "model_state_step_10.pt")
+    resumed = DDPTrainer(config=cfg_for(tmp_path / "again", checkpoint_dir=str(ckpt), max_steps=10))
     rng_resumed = torch.get_rng_state()
-    fresh = DDPTrainer(config=cfg_for(tmp_path / "fresh"))
+    direct = DDPTrainer(config=cfg_for(tmp_path / "direct", resume=str(ckpt / "model_state_step_5.pt"), max_steps=10))
     assert torch.equal(rng_resumed, torch.get_rng_state())
-    assert resumed.resumed_from is None and resumed.global_step == 0
+    assert resumed.resumed_from.name == "model_state_step_5.pt" and resumed.global_step == 5
     assert "cannot resume from" in (tmp_path / "again" / "logs" / "rank_0.log").read_text()
-    assert_bit_identical(resumed.raw_model.state_dict(), fresh.raw_model.state_dict())
-    assert resumed.optimizer.state_dict() == fresh.optimizer.state_dict()
-    assert resumed.scheduler.state_dict() == fresh.scheduler.state_dict()
-    assert all(getattr(resumed, k) == getattr(fresh, k) for k in DDPTrainer.STATE_COUNTERS)
+    assert_bit_identical(resumed.raw_model.state_dict(), direct.raw_model.state_dict())
+    assert resumed.optimizer.state_dict().keys() == direct.optimizer.state_dict().keys()
+    assert_bit_identical(resumed.optimizer.state_dict()["state"][0], direct.optimizer.state_dict()["state"][0])
+    assert resumed.scheduler.state_dict() == direct.scheduler.state_dict()
+    assert all(getattr(resumed, k) == getattr(direct, k) for k in DDPTrainer.STATE_COUNTERS)
+    assert resumed.loader_rng["current"].equal(direct.loader_rng["current"])
 
 
 def test_changed_batch_size_is_refused_clearly(tmp_path, no_launch_env):
     DDPTrainer(config=cfg_for(tmp_path), loss_fn=SignalAt(6)).train()
     with pytest.raises(ValueError, match="batch_size=16, this run has batch_size=8"):
         DDPTrainer(config=cfg_for(tmp_path, batch_size=8))
+
+
+def test_another_model_is_refused_and_nothing_is_overwritten(tmp_path, no_launch_env):
+    DDPTrainer(config=cfg_for(tmp_path)).train()
+    before = {p.name: p.read_bytes() for p in (tmp_path / "ckpt").glob("*.pt")}
+    with pytest.raises(ValueError, match="model_state_step_20.pt holds another model .size mismatch for .*resuming it is refused"):
+        DDPTrainer(config=cfg_for(tmp_path, hidden_size=64))
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt").glob("*.pt")} == before
+
+
+def test_no_loadable_state_is_an_error_not_a_fresh_start(tmp_path, no_launch_env):
+    DDPTrainer(config=cfg_for(tmp_path)).train()
+    for p in (tmp_path / "ckpt").glob("model_state_step_*.pt"):
+        p.write_bytes(p.read_bytes()[:1000])
+    final = (tmp_path / "ckpt" / "model_final.pt").read_bytes()
+    with pytest.raises(rt.CheckpointError, match="none of the 2 resumable states in .* loads"):
+        DDPTrainer(config=cfg_for(tmp_path))
+    assert (tmp_path / "ckpt" / "model_final.pt").read_bytes() == final
 
 
 def test_pickle_payload_state_is_refused_without_running(tmp_path, no_launch_env):
@@ -240,6 +260,13 @@ def test_signal_on_one_rank_then_resume_is_bit_identical_two_ranks(tmp_path, ref
     assert spawn(_two_rank_run, 2, str(tmp_path), 1, stop_at, TWO_RANK) == [("interrupted", stop_at)] * 2
     assert spawn(_two_rank_run, 2, str(tmp_path), -1, 0, TWO_RANK) == [("completed", 20)] * 2
     assert_bit_identical(final_weights(tmp_path), reference_2)
+
+
+@pytest.mark.multi
+def test_a_state_of_two_ranks_is_refused_by_one(tmp_path, no_launch_env):
+    spawn(_two_rank_run, 2, str(tmp_path), -1, 0, dict(TWO_RANK, max_steps=5))
+    with pytest.raises(ValueError, match="world_size=2, this run has world_size=1; resuming with a different"):
+        DDPTrainer(config=cfg_for(tmp_path, **TWO_RANK))
 
 
 @pytest.mark.multi
