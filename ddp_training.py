@@ -1214,9 +1214,11 @@ class DDPTrainer:
         (Path(self.cfg.log_dir) / f"FAILED_rank_{self.env.rank}").unlink(missing_ok=True)  # a previous run's
         clean = False
         try:
-            rt.run_on_rank0(self._prepare_run_dir, what="preparing the run directory")
-            status = self._loop(stop_signal)
-            summary = self._finish(status)
+            if self._complete_already():
+                summary = self._nothing_to_do()
+            else:
+                rt.run_on_rank0(self._prepare_run_dir, what="preparing the run directory")
+                summary = self._finish(self._loop(stop_signal))
             clean = True
         except BaseException as exc:
             self.log.error("training failed at step %d: %s: %s", self.global_step, type(exc).__name__, exc)
@@ -1235,6 +1237,22 @@ class DDPTrainer:
             rt.teardown_distributed(synchronize=clean)
             rt.close_logger(self.log)
         return summary
+
+    def _complete_already(self) -> bool:
+        """Resumed at its last step with its final weights written: a relaunch of a finished run, which
+        must not rewrite its files or its summary. Agreed, so every rank takes the same branch."""
+        done = (self.resumed_from is not None and self.global_step >= self.total_steps
+                and self.checkpoint_path("final").exists())
+        return all(rt.gather_objects(done))
+
+    def _nothing_to_do(self) -> dict:
+        self.log.info("this run already finished at step %d (%s, %s): nothing to do; resume none or another "
+                      "run_name starts a new one", self.global_step, self.resumed_from,
+                      self.checkpoint_path("final"))
+        return {"status": "completed", "steps": self.global_step, "resumed_from": str(self.resumed_from),
+                "already_complete": True, "epochs": self.epoch, "final_val_loss": self.last_val,
+                "best_val_loss": None if math.isinf(self.best_val) else self.best_val,
+                "world_size": self.env.world_size}
 
     def _prepare_run_dir(self) -> None:
         """Rank 0: the run dir, its resolved config and metrics file, before the first step."""
@@ -1410,6 +1428,11 @@ class DDPTrainer:
         import yaml
         # Loadable again with --config, so a run can be repeated exactly.
         resolved = dataclasses.asdict(self.cfg)
+        # Dirs derived from run_name stay derived, so the file with another --run_name makes another run
+        if resolved["checkpoint_dir"] == str(Path(self.cfg.log_dir) / "checkpoints"):
+            resolved["checkpoint_dir"] = None
+        if resolved["log_dir"] == str(Path("runs") / self.cfg.run_name):
+            resolved["log_dir"] = None
         (Path(self.cfg.log_dir) / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
 
     def _set_aside_old_states(self) -> None:

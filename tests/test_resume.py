@@ -102,6 +102,14 @@ def test_a_validation_the_state_predates_is_logged_once(tmp_path, no_launch_env)
     assert [r["step"] for r in metrics(tmp_path / "logs", "val")] == [8, 10]
 
 
+def test_relaunching_a_finished_run_changes_nothing(tmp_path, no_launch_env):
+    DDPTrainer(config=cfg_for(tmp_path)).train()  # 20 steps, a state at step 20
+    files = {p: p.read_bytes() for p in [*(tmp_path / "ckpt").glob("*.pt"), tmp_path / "logs" / "metrics.jsonl"]}
+    again = DDPTrainer(config=cfg_for(tmp_path)).train()
+    assert again["already_complete"] and again["steps"] == 20 and again["resumed_from"].endswith("step_20.pt")
+    assert {p: p.read_bytes() for p in files} == files  # its summary (and timing) is the finished run's
+
+
 def test_only_the_newest_states_are_kept(tmp_path, no_launch_env):
     DDPTrainer(config=cfg_for(tmp_path, keep_states=2)).train()
     states = sorted(p.name for p in (tmp_path / "ckpt").glob("model_state_step_*.pt"))

@@ -180,6 +180,17 @@ def test_resolved_config_and_example_configs_load(tmp_path, no_launch_env):
         TrainConfig.from_dict(config_from_yaml(str(example)))
 
 
+def test_a_saved_config_with_another_run_name_makes_another_run(tmp_path, no_launch_env, monkeypatch):
+    from ddp_training import config_from_yaml
+    monkeypatch.chdir(tmp_path)
+    DDPTrainer(config={**QUICK, "max_steps": 2, "val_interval": 0, "run_name": "a"}).train()
+    saved = config_from_yaml("runs/a/config.yaml")
+    assert saved["log_dir"] is None and saved["checkpoint_dir"] is None  # derived from run_name, so they follow it
+    args = build_arg_parser().parse_args(["--config", "runs/a/config.yaml", "--run_name", "a2"])
+    cfg = TrainConfig.from_dict(config_from_args(args))
+    assert (cfg.log_dir, cfg.checkpoint_dir) == (str(Path("runs") / "a2"), str(Path("runs") / "a2" / "checkpoints"))
+
+
 def test_cli_precedence_defaults_yaml_flags(tmp_path):
     cfg_file = tmp_path / "c.yaml"
     cfg_file.write_text("batch_size: 8\nlearning_rate: 0.002\nuse_amp: false\n")
