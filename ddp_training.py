@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import random
+import signal
 import socket
 import sys
 import tempfile
@@ -1552,8 +1553,11 @@ def _field_parser(tp):
 
 def config_from_yaml(path: str) -> dict:
     import yaml
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"--config {path}: {exc}") from exc
     if not isinstance(data, dict):
         raise ValueError(f"--config {path}: expected a flat mapping of config keys, got {type(data).__name__}")
     known = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -1604,16 +1608,30 @@ def _spawned_worker(rank: int, world_size: int, cfg: dict) -> None:
     rt.exit_process(rt.EXIT_PREEMPTED if summary["status"] == "interrupted" else 0)
 
 
+SAVE_GRACE_S = 300  # as launch_training.sh gives torchrun's workers
+
+
 def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker) -> int:
     """Run `worker(rank, nproc, cfg)` on `nproc` local processes (torch.multiprocessing, a free port), for
     users without torchrun. Returns the exit status: 0, EXIT_PREEMPTED or 1."""
     import torch.multiprocessing as mp
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(free_port())
-    try:
-        mp.start_processes(worker, args=(nproc, cfg), nprocs=nproc, join=True, start_method="spawn")
+    context = mp.start_processes(worker, args=(nproc, cfg), nprocs=nproc, join=False, start_method="spawn")
+
+    def forward(signum, frame):  # the ranks agree on it, save and exit 75; this process waits for them
+        for p in context.processes:
+            if p.is_alive():
+                os.kill(p.pid, signum)
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    try:  # a rank that exits first (75 after its part of a save) leaves the others time to finish theirs
+        while not context.join(grace_period=SAVE_GRACE_S):
+            pass
     except mp.ProcessExitedException as exc:
         return exc.exit_code if exc.exit_code == rt.EXIT_PREEMPTED else 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
 
 
@@ -1624,6 +1642,9 @@ def main(argv: Optional[list] = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.nproc < 1:
+        print(f"error: --nproc must be >= 1, got {args.nproc}", file=sys.stderr)
+        return 2
     launch = rt.detect_launch_env()
     if args.nproc > 1:
         if launch["world_size"] > 1:
@@ -1631,8 +1652,12 @@ def main(argv: Optional[list] = None) -> int:
                   file=sys.stderr)
             return 2
         return spawn_local(args.nproc, cfg)
-    trainer = DDPTrainer(rank=launch["rank"], world_size=launch["world_size"],
-                         local_rank=launch["local_rank"], config=cfg)
+    try:  # set-up errors (a data file, a refused state) are the user's input: one line, exit 2
+        trainer = DDPTrainer(rank=launch["rank"], world_size=launch["world_size"],
+                             local_rank=launch["local_rank"], config=cfg)
+    except (ValueError, OSError, rt.CheckpointError) as exc:
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
     summary = trainer.train()
     return rt.EXIT_PREEMPTED if summary["status"] == "interrupted" else 0
 

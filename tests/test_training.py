@@ -217,6 +217,9 @@ def test_cli_precedence_defaults_yaml_flags(tmp_path):
     (["--bucket_cap_mb", "0"], "'bucket_cap_mb' must be > 0, got 0.0"),
     (["--val_fraction", "1.5"], "'val_fraction' must be in [0, 1)"),
     (["--min_lr_ratio", "2"], "'min_lr_ratio' must be in [0, 1]"),
+    (["--nproc", "0"], "--nproc must be >= 1, got 0"),
+    (["--config", "missing.yaml"], "--config missing.yaml: [Errno 2] No such file"),
+    (["--cpu", "--data", "missing.txt"], "missing.txt"),
 ])
 def test_cli_bad_input_exits_2_with_a_clear_message(tmp_path, argv, message):
     (tmp_path / "bad.yaml").write_text("bogus_key: 1\n")
@@ -252,6 +255,20 @@ def test_nproc_spawns_two_ranks_without_torchrun(tmp_path):
     r = run([sys.executable, REPO / "ddp_training.py", "--cpu", "--test", "--nproc", "2",
              "--log_dir", "logs", "--checkpoint_dir", "ckpt"], cwd=tmp_path, timeout=180)
     check_two_rank_run(tmp_path, r)
+
+
+@pytest.mark.multi
+def test_sigterm_to_a_local_nproc_run_saves_and_exits_75(tmp_path):
+    # --nproc runs without torchrun: its parent process must pass the signal on and wait for the save
+    cmd = [sys.executable, REPO / "ddp_training.py", "--cpu", "--nproc", "2", "--test", "--max_steps", "100000",
+           "--val_interval", "0", "--log_interval", "1", "--log_dir", "logs", "--checkpoint_dir", "ckpt"]
+    with background(cmd, tmp_path, env=clean_env()) as proc:
+        wait_for_step(tmp_path / "logs" / "metrics.jsonl", 3, timeout=90)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 75, out[-3000:]
+    step = json.loads((tmp_path / "logs" / "PREEMPTED").read_text())["step"]
+    assert step >= 3 and (tmp_path / "ckpt" / f"model_state_step_{step}.pt").exists()
 
 
 @pytest.mark.multi
