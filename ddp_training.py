@@ -163,7 +163,7 @@ class TrainConfig:
 # A quick run: tiny model, few steps, finishes in seconds on a CPU.
 TEST_PRESET = dict(hidden_size=32, num_layers=2, num_heads=2, seq_len=32, dataset_size=1024,
                    batch_size=16, num_epochs=1, max_steps=60, learning_rate=1e-2, warmup_steps=5,
-                   log_interval=10, val_interval=20)
+                   log_interval=10, val_interval=20, run_name="lm_test")  # not the default run's dir
 
 
 # ----------------------------------------------------------------------------

@@ -223,7 +223,7 @@ def check_fits(predictor, geometry, flag):
 # command line
 
 # --test: a quick run; explicit flags still win
-TEST_DEFAULTS = dict(max_steps=20, val_every_iters=10, preset="tiny")
+TEST_DEFAULTS = dict(max_steps=20, val_every_iters=10, preset="tiny", run_name="vj2ac_test")
 # default --lr per preset: the small ones train fast on the synthetic data; a 300M-parameter predictor needs a
 # conservative rate
 PRESET_LR = {"tiny": 1e-2, "small": 5e-3, "vjepa2_ac": 4e-4}

@@ -152,7 +152,8 @@ def test_cli_presets_test_mode_and_trainer_config(no_launch_env):
     cfg = vj2.train_config(args)
     TrainConfig.from_dict(cfg)  # every key is one the trainer knows
     assert cfg["checkpoint_prefix"] == "vjepa2" and cfg["val_interval"] == 10 and cfg["save_interval"] == 0
-    assert cfg["checkpoint_dir"] == "checkpoints/vj2ac" and cfg["log_dir"] == cfg["checkpoint_dir"]
+    assert cfg["checkpoint_dir"] == "checkpoints/vj2ac_test" and cfg["log_dir"] == cfg["checkpoint_dir"]
+    assert vj2.train_config(vj2.parse_args(data))["checkpoint_dir"] == "checkpoints/vj2ac"
     assert vj2.train_config(vj2.parse_args(data + ["--run-name", "b"]))["checkpoint_dir"] == "checkpoints/b"
 
 
