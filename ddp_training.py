@@ -439,6 +439,21 @@ class StepFailed(RuntimeError):
     """A step failed on some rank; raised on every rank with every rank's error."""
 
 
+class AboveTheBar(logging.StreamHandler):
+    """The console under a progress bar: lines print above the bar (tqdm.write), and the periodic
+    step lines, which the bar replaces, are left out."""
+
+    def filter(self, record) -> bool:
+        return not getattr(record, "periodic", False) and super().filter(record)
+
+    def emit(self, record) -> None:
+        from tqdm import tqdm
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:
+            self.handleError(record)
+
+
 class StepAbandoned(RuntimeError):
     """This rank's step failed and could not be completed in step with the others (DDP had already
     started reducing): the run ends here, and the others learn why from this rank's FAILED marker."""
@@ -1333,7 +1348,7 @@ class DDPTrainer:
                     rate = window_steps * global_batch / (time.time() - window_t)
                     self.log.info("epoch %d step %d/%d loss %.5f lr %.2e grad_norm %.3f %.0f samples/s",
                                   self.epoch, self.global_step, self.total_steps, r["loss"],
-                                  self.scheduler.get_last_lr()[0], r["grad_norm"], rate)
+                                  self.scheduler.get_last_lr()[0], r["grad_norm"], rate, extra={"periodic": True})
                     window_t, window_steps = time.time(), 0
                 # The step's boundary work comes before a stop, so a resumed run repeats none of it.
                 early = bool(cfg.val_interval) and self.global_step % cfg.val_interval == 0 and self._validate()
@@ -1363,14 +1378,18 @@ class DDPTrainer:
         return "completed"
 
     def _progress_bar(self):
-        """tqdm on rank 0 when stdout is a terminal; the console then shows only warnings, the
-        periodic lines still go to rank_0.log. Files and CI get plain periodic lines."""
+        """tqdm on rank 0 when stdout is a terminal: it replaces the periodic step lines on the console
+        (they still go to rank_0.log), and the other lines (validation, checkpoints, the summary) are
+        printed above it. Files and CI get plain periodic lines."""
         if not (self.env.is_main and sys.stdout.isatty()):
             return None
         from tqdm import tqdm
-        for h in self.log.handlers:
-            if type(h) is logging.StreamHandler:
-                h.setLevel(logging.WARNING)
+        for h in [h for h in self.log.handlers if type(h) is logging.StreamHandler]:
+            above = AboveTheBar(h.stream)
+            above.setFormatter(h.formatter)
+            above.setLevel(h.level)
+            self.log.removeHandler(h)
+            self.log.addHandler(above)
         return tqdm(total=self.total_steps, initial=self.global_step, unit="step", file=sys.stdout)
 
     def _save_weights_here(self) -> None:

@@ -479,6 +479,7 @@ def test_progress_bar_only_on_a_terminal(tmp_path):
     assert proc.returncode == 0 and "12/12" in shown and "loss=" in shown and "samples_s=" in shown
     assert "step 10/12" not in shown  # the bar replaces the periodic console lines...
     assert "step 10/12" in (tmp_path / "logs" / "rank_0.log").read_text()  # ...which still reach the log
+    assert "validation at step 12" in shown and "loss floor" in shown and "finished (completed)" in shown
 
 
 def test_tensorboard_writes_the_same_scalars(tmp_path, no_launch_env, monkeypatch):
