@@ -934,7 +934,7 @@ def build_parser():
     sub = p.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of tables")
-    common.add_argument("--dir", help="parent of the temporary work directory (default: the system temp dir)")
+    common.add_argument("--dir", help="parent of the temporary work directory; None: the system temp dir")
     common.add_argument("--timeout", type=float, default=600.0, help="seconds any child process may run")
     fmt = argparse.ArgumentDefaultsHelpFormatter
 
@@ -977,7 +977,7 @@ def build_parser():
     ld.add_argument("--embed_dim", type=int, default=config.EMBED_DIM, help="D")
     ld.add_argument("--actions_per_step", type=int, default=config.ACTIONS_PER_STEP, help="A")
     ld.add_argument("--channels", type=int, default=config.ACTION_CHANNELS, help="C")
-    ld.add_argument("--max_open_files", type=int, help="the dataset's map LRU (default: the dataset's default)")
+    ld.add_argument("--max_open_files", type=int, help="the dataset's map LRU; None: the dataset's own default")
     ld.add_argument("--warm_epochs", type=int, default=2, help="timed epochs after the cold one")
     ld.add_argument("--rss_epochs", type=int, default=2, help="epochs over each dataset while sampling memory")
     ld.add_argument("--train_steps", type=int, default=3, help="timed training steps (after one warm-up step)")
