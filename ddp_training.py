@@ -1255,18 +1255,22 @@ class DDPTrainer:
         return summary
 
     def _complete_already(self) -> bool:
-        """Resumed at its last step with its final weights written: a relaunch of a finished run, which
-        must not rewrite its files or its summary. Agreed, so every rank takes the same branch."""
-        done = (self.resumed_from is not None and self.global_step >= self.total_steps
-                and self.checkpoint_path("final").exists())
-        return all(rt.gather_objects(done))
+        """A relaunch of a finished run, which must not rewrite its files or its summary: its final weights
+        are written and it resumed at its last step, or (no state at its end) resumed nothing at all.
+        Agreed, so every rank takes the same branch."""
+        final = self.checkpoint_path("final").exists()
+        at_end = self.resumed_from is not None and self.global_step >= self.total_steps
+        stateless = self.resumed_from is None and self.cfg.resume == "auto"
+        return all(rt.gather_objects(final and (at_end or stateless)))
 
     def _nothing_to_do(self) -> dict:
-        self.log.info("this run already finished at step %d (%s, %s): nothing to do; resume none or another "
-                      "run_name starts a new one", self.global_step, self.resumed_from,
-                      self.checkpoint_path("final"))
-        return {"status": "completed", "steps": self.global_step, "resumed_from": str(self.resumed_from),
-                "already_complete": True, "epochs": self.epoch, "final_val_loss": self.last_val,
+        final = self.checkpoint_path("final")
+        saved = torch.load(final, map_location="cpu", weights_only=True, mmap=True)  # mapped: only two numbers read
+        self.log.info("this run already finished at step %d (%s): nothing to do; resume none or another "
+                      "run_name starts a new one", saved["global_step"], final)
+        return {"status": "completed", "steps": saved["global_step"],
+                "resumed_from": None if self.resumed_from is None else str(self.resumed_from),
+                "already_complete": True, "final_val_loss": saved.get("val_loss"),
                 "best_val_loss": None if math.isinf(self.best_val) else self.best_val,
                 "world_size": self.env.world_size}
 

@@ -110,6 +110,16 @@ def test_relaunching_a_finished_run_changes_nothing(tmp_path, no_launch_env):
     assert {p: p.read_bytes() for p in files} == files  # its summary (and timing) is the finished run's
 
 
+def test_relaunching_a_finished_run_without_a_final_state_changes_nothing(tmp_path, no_launch_env):
+    DDPTrainer(config=cfg_for(tmp_path, save_every_iters=0)).train()  # no resumable state at all
+    files = {p: p.read_bytes() for p in [*(tmp_path / "ckpt").glob("*.pt"), tmp_path / "logs" / "metrics.jsonl"]}
+    again = DDPTrainer(config=cfg_for(tmp_path, save_every_iters=0)).train()
+    assert again["already_complete"] and again["steps"] == 20 and again["resumed_from"] is None
+    assert {p: p.read_bytes() for p in files} == files
+    fresh = DDPTrainer(config=cfg_for(tmp_path, save_every_iters=0, resume="none", max_steps=3)).train()
+    assert fresh["steps"] == 3 and not fresh.get("already_complete")  # asked for: trains over it
+
+
 def test_only_the_newest_states_are_kept(tmp_path, no_launch_env):
     DDPTrainer(config=cfg_for(tmp_path, keep_states=2)).train()
     states = sorted(p.name for p in (tmp_path / "ckpt").glob("model_state_step_*.pt"))
