@@ -46,6 +46,62 @@ import ddp_runtime as rt
 # Configuration: every default written once, here
 # ----------------------------------------------------------------------------
 
+# The allowed values of the keys that take a word
+CHOICES = {"lr_schedule": ("cosine", "wsd", "constant"), "loss_normalization": ("token", "sample"),
+           "amp_dtype": ("auto", "bf16", "fp16"), "data_strategy": ("shard", "dispatch"),
+           "device": ("auto", "cuda", "cpu"), "dist_backend": (None, "nccl", "gloo")}
+
+# What every TrainConfig key means: its --help text
+HELP = {
+    "vocab_size": "token ids of the synthetic data (a --data file sets its own)",
+    "hidden_size": "width of the LM", "num_layers": "transformer blocks", "num_heads": "attention heads",
+    "dropout": "dropout probability", "seq_len": "tokens per training sequence",
+    "data": "text file (byte tokens, vocab 256) or .npy of token ids (memory-mapped); unset: a synthetic Markov "
+            "chain",
+    "dataset_size": "synthetic training sequences", "markov_branching": "successors per token in the synthetic chain",
+    "val_fraction": "share of the data held out for validation", "test_fraction": "share held out for the test",
+    "num_workers": "DataLoader workers per rank", "pin_memory": "page-locked host batches on CUDA",
+    "data_strategy": "shard: every rank reads its own part; dispatch: rank 0 reads global batches and sends each "
+                     "rank its part (for streams)",
+    "batch_size": "samples per rank and micro-step", "grad_accum_steps": "micro-steps per optimizer step (no_sync)",
+    "learning_rate": "peak AdamW learning rate", "weight_decay": "AdamW decay (not on biases and norms)",
+    "grad_clip": "clip the global gradient norm to this; 0 = off",
+    "lr_schedule": "learning-rate shape after warm-up, counted in optimizer steps",
+    "warmup_steps": "linear warm-up steps", "min_lr_ratio": "the schedule's floor as a share of the peak, in [0, 1]",
+    "num_epochs": "passes over the training data", "max_steps": "optimizer steps; 0 = num_epochs worth",
+    "loss_normalization": "token: global mean over all counted tokens; sample: mean of per-sample means",
+    "use_amp": "mixed precision on CUDA (bf16 where supported, else fp16 with a GradScaler)",
+    "amp_dtype": "autocast dtype; on the CPU only an explicit bf16 turns autocast on",
+    "seed": "model init, data order and every rank's RNG streams",
+    "device": "auto: cuda if available", "dist_backend": "unset: nccl with CUDA, else gloo",
+    "dist_timeout": "seconds a collective may wait before it is an error on every rank",
+    "first_step_timeout": "a longer wait for the first step (compilation, warm-up) when above dist_timeout",
+    "find_unused_parameters": "DDP option for models whose loss leaves parameters without gradients",
+    "bucket_cap_mb": "DDP gradient bucket size in MiB; unset: DDP's (25, the first one 1)",
+    "static_graph": "DDP static_graph; unset: on for models that declare it, unless find_unused_parameters or "
+                    "grad_accum_steps > 1",
+    "compile": "torch.compile the model before the DDP wrap",
+    "val_interval": "steps between validations; 0 = at the end of every epoch",
+    "patience": "validations without an improvement by more than min_delta before stopping; 0 = off",
+    "min_delta": "the improvement that resets patience", "target_loss": "stop once the validation loss is <= this",
+    "run_name": "names the run dir, runs/<run_name>", "log_dir": "the run dir; unset: runs/<run_name>",
+    "tensorboard": "also write the metrics as TensorBoard scalars (needs tensorboard)",
+    "log_interval": "steps between periodic log lines (a progress bar instead on a terminal)",
+    "debug": "DEBUG logs, console output from every rank",
+    "memory_check_interval": "steps between memory readings",
+    "cleanup_interval": "steps between gc.collect/empty_cache (a full gc costs ~0.2 s once torch is imported)",
+    "max_memory_gb": "warn above this much CUDA reserved memory, or anonymous memory on the CPU",
+    "checkpoint_dir": "unset: <log_dir>/checkpoints", "checkpoint_prefix": "<prefix>_step_N.pt, <prefix>_final.pt, ...",
+    "save_interval": "epochs between <prefix>_epoch_N.pt and a resumable state; 0 = off",
+    "save_every_iters": "steps between <prefix>_step_N.pt and a resumable state; 0 = off",
+    "resume": "auto: the newest state in checkpoint_dir that loads | none | PATH of a state",
+    "keep_states": "resumable states kept, newest first; 0 = all",
+    "async_checkpoint": "rank 0 writes checkpoints on a background thread from a host copy",
+    "max_errors_per_epoch": "batches that may fail to load per epoch before the run stops",
+    "max_bad_steps": "consecutive non-finite steps (skipped) before the run stops",
+}
+
+
 @dataclass
 class TrainConfig:
     # model (the default LM)
@@ -56,63 +112,63 @@ class TrainConfig:
     dropout: float = 0.0
     seq_len: int = 64
     # data
-    data: Optional[str] = None          # text file (bytes) or .npy token ids; None = synthetic Markov chain
-    dataset_size: int = 4096            # synthetic training sequences
-    markov_branching: int = 4           # successors per token in the synthetic chain
+    data: Optional[str] = None
+    dataset_size: int = 4096
+    markov_branching: int = 4
     val_fraction: float = 0.05
     test_fraction: float = 0.05
     num_workers: int = 0
     pin_memory: bool = True
-    data_strategy: str = "shard"        # shard: every rank reads its part; dispatch: rank 0 reads and sends
+    data_strategy: str = "shard"
     # optimisation
-    batch_size: int = 32                # per rank, per micro-step
+    batch_size: int = 32
     grad_accum_steps: int = 1
     learning_rate: float = 3e-3
     weight_decay: float = 0.01
-    grad_clip: float = 1.0              # 0 = off
-    lr_schedule: str = "cosine"         # cosine | wsd | constant
+    grad_clip: float = 1.0
+    lr_schedule: str = "cosine"
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
     num_epochs: int = 3
-    max_steps: int = 0                  # 0 = num_epochs worth of steps
-    loss_normalization: str = "token"   # token: global mean over counted tokens; sample: mean over samples
-    use_amp: bool = True                # CUDA: bf16 where supported, else fp16 + GradScaler; CPU: see amp_dtype
-    amp_dtype: str = "auto"             # auto | bf16 | fp16 ; on the CPU only an explicit bf16 enables autocast
+    max_steps: int = 0
+    loss_normalization: str = "token"
+    use_amp: bool = True
+    amp_dtype: str = "auto"
     seed: int = 1337
     # distributed
-    device: str = "auto"                # auto | cuda | cpu
-    dist_backend: Optional[str] = None  # nccl | gloo ; None = nccl with CUDA, else gloo
-    dist_timeout: float = rt.DEFAULT_DIST_TIMEOUT_S   # seconds a collective may wait after the first step
-    first_step_timeout: float = 0.0     # > dist_timeout: a longer wait for the first step (compilation, warm-up)
+    device: str = "auto"
+    dist_backend: Optional[str] = None
+    dist_timeout: float = rt.DEFAULT_DIST_TIMEOUT_S
+    first_step_timeout: float = 0.0
     find_unused_parameters: bool = False
-    bucket_cap_mb: Optional[float] = None  # DDP gradient bucket size; None = DDP's (25 MiB, the first one 1 MiB)
-    static_graph: Optional[bool] = None  # DDP static_graph; None = on for models that declare static_graph = True
-    compile: bool = False               # torch.compile the model (before the DDP wrap)
+    bucket_cap_mb: Optional[float] = None
+    static_graph: Optional[bool] = None
+    compile: bool = False
     # evaluation and stopping
-    val_interval: int = 0               # steps between validations; 0 = end of every epoch
-    patience: int = 0                   # validations without improvement before stopping; 0 = off
+    val_interval: int = 0
+    patience: int = 0
     min_delta: float = 0.0
-    target_loss: Optional[float] = None  # stop once validation loss <= this
+    target_loss: Optional[float] = None
     # logging, memory
     run_name: str = "lm"
-    log_dir: Optional[str] = None       # the run dir; None = runs/<run_name>
-    tensorboard: bool = False           # also write the metrics as TensorBoard scalars (needs tensorboard)
+    log_dir: Optional[str] = None
+    tensorboard: bool = False
     log_interval: int = 10
     debug: bool = False
     memory_check_interval: int = 50
-    cleanup_interval: int = 1000        # a full gc.collect costs ~0.2 s once torch is imported
+    cleanup_interval: int = 1000
     max_memory_gb: float = 16.0
     # checkpoints
-    checkpoint_dir: Optional[str] = None  # None = <log_dir>/checkpoints
+    checkpoint_dir: Optional[str] = None
     checkpoint_prefix: str = "model"
-    save_interval: int = 1              # epochs between <prefix>_epoch_N.pt; 0 = off
-    save_every_iters: int = 0           # steps between <prefix>_step_N.pt; 0 = off
-    resume: str = "auto"                # auto: newest valid state in checkpoint_dir | none | PATH
-    keep_states: int = 2                # resumable states kept (newest first); 0 = keep all
-    async_checkpoint: bool = True       # rank 0 writes checkpoints on a background thread from a host copy
+    save_interval: int = 1
+    save_every_iters: int = 0
+    resume: str = "auto"
+    keep_states: int = 2
+    async_checkpoint: bool = True
     # faults
     max_errors_per_epoch: int = 5
-    max_bad_steps: int = 5              # consecutive non-finite steps before giving up
+    max_bad_steps: int = 5
 
     @classmethod
     def from_dict(cls, cfg: Optional[dict]) -> "TrainConfig":
@@ -128,10 +184,7 @@ class TrainConfig:
         return out
 
     def check(self) -> None:
-        choices = {"lr_schedule": ("cosine", "wsd", "constant"), "loss_normalization": ("token", "sample"),
-                   "amp_dtype": ("auto", "bf16", "fp16"), "data_strategy": ("shard", "dispatch"), "device": ("auto", "cuda", "cpu"),
-                   "dist_backend": (None, "nccl", "gloo")}
-        for key, allowed in choices.items():
+        for key, allowed in CHOICES.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"config key {key!r} must be one of {allowed}, got {getattr(self, key)!r}")
         for key in ("batch_size", "grad_accum_steps", "seq_len", "hidden_size", "num_layers", "num_heads",
@@ -1595,14 +1648,16 @@ def build_arg_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", help="YAML file with a flat mapping of config keys")
     p.add_argument("--cpu", action="store_true", help="train on the CPU with gloo")
-    p.add_argument("--test", action="store_true", help="quick run: tiny model, few steps")
+    p.add_argument("--test", action="store_true", help="quick run: tiny model, 60 steps, in runs/lm_test")
     p.add_argument("--nproc", type=int, default=1, help="spawn N local processes (no torchrun needed)")
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
         flags = [f"--{f.name}"] + ALIASES.get(f.name, [])
         switch = dict(nargs="?", const=True) if hints[f.name] is bool else {}  # a bare --debug means true
+        choices = [c for c in CHOICES.get(f.name, ()) if c is not None] or None
         p.add_argument(*flags, dest=f.name, type=_field_parser(hints[f.name]), default=argparse.SUPPRESS,
-                       metavar=f.name.upper(), help=f"(default: {f.default})", **switch)
+                       metavar="{" + ",".join(choices) + "}" if choices else f.name.upper(),
+                       help=f"{HELP[f.name]} (default: {f.default})", **switch)
     return p
 
 

@@ -180,6 +180,16 @@ def test_resolved_config_and_example_configs_load(tmp_path, no_launch_env):
         TrainConfig.from_dict(config_from_yaml(str(example)))
 
 
+def test_every_config_key_is_explained_in_help(capsys):
+    import dataclasses
+    from ddp_training import HELP
+    assert {f.name for f in dataclasses.fields(TrainConfig)} == set(HELP)
+    with pytest.raises(SystemExit):
+        build_arg_parser().parse_args(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "--lr_schedule {cosine,wsd,constant}" in shown and "peak AdamW learning rate (default: 0.003)" in shown
+
+
 def test_a_saved_config_with_another_run_name_makes_another_run(tmp_path, no_launch_env, monkeypatch):
     from ddp_training import config_from_yaml
     monkeypatch.chdir(tmp_path)
