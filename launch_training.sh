@@ -54,7 +54,10 @@ gpus="" batch="" epochs="" log_dir="" ckpt_dir="" cpu=0 nproc="" test_mode=0 deb
 script="ddp_training.py" nnodes=1 node_rank=0 master_addr="" master_port=29500 max_restarts=0
 script_args=()
 
-need() { [[ $# -ge 2 && -n "$2" && "$2" != -* ]] || die "option $1 needs a value"; }
+need() {
+    [[ ! "${2:-}" =~ ^-[0-9]+$ ]] || die "$1 expects a non-negative integer, got '$2'"
+    [[ $# -ge 2 && -n "$2" && "$2" != -* ]] || die "option $1 needs a value"
+}
 is_uint() { [[ "$1" =~ ^[0-9]+$ ]]; }
 # Decimal, whatever the leading zeros: bash arithmetic reads 08 as (invalid) octal. At most 18 digits,
 # so the value fits bash's 64-bit arithmetic instead of wrapping around.

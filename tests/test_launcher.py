@@ -94,6 +94,8 @@ def test_numbers_are_read_as_decimal(tmp_path, fake_bin):
     failed(launch(["--gpus", "09"], tmp_path, fake_bin), "GPU 9 does not exist")
     failed(launch(["--cpu", "--nproc", "1" * 19], tmp_path, fake_bin), "--nproc expects a non-negative integer")
     failed(launch(["--cpu", "--nproc", "0x2"], tmp_path, fake_bin), "--nproc expects a non-negative integer", "'0x2'")
+    failed(launch(["--cpu", "--max-restarts", "-1"], tmp_path, fake_bin), "--max-restarts expects a non-negative integer",
+           "'-1'")
     failed(launch(["--cpu"], tmp_path, fake_bin, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="soon"),
            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT expects seconds", "'soon'")
 
