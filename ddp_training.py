@@ -492,6 +492,9 @@ class StepFailed(RuntimeError):
     """A step failed on some rank; raised on every rank with every rank's error."""
 
 
+COMPLETED_MARKER = "COMPLETED"  # in the run dir: the summary of a run that finished
+
+
 class AboveTheBar(logging.StreamHandler):
     """The console under a progress bar: lines print above the bar (tqdm.write), and the periodic
     step lines, which the bar replaces, are left out."""
@@ -665,8 +668,12 @@ class DDPTrainer:
             self._build(model, train_dataset, val_dataset, test_dataset, loss_fn, collate_fn,
                         checkpoint_extra, weights_key, count_unit, describe)
         except BaseException:
-            if hasattr(self, "log"):
-                self.log.exception("trainer set-up failed")
+            if hasattr(self, "log"):  # the traceback into rank_N.log; the console gets the error from the caller
+                record = self.log.makeRecord(self.log.name, logging.ERROR, __file__, 0, "trainer set-up failed",
+                                             None, sys.exc_info())
+                for h in self.log.handlers:
+                    if isinstance(h, logging.FileHandler):
+                        h.handle(record)
                 rt.close_logger(self.log)
             rt.teardown_distributed()
             raise
@@ -1186,6 +1193,8 @@ class DDPTrainer:
         try:
             self.raw_model.load_state_dict(state["model"])
         except RuntimeError as exc:
+            if "Error(s) in loading state_dict" not in str(exc):  # not a mismatch (out of memory, a device)
+                raise
             lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
             raise StateMismatch(f"{path} holds another model ({lines[1] if len(lines) > 1 else lines[0]} ...); "
                                 f"resuming it is refused (resume none or another run_name starts fresh; or use "
@@ -1283,8 +1292,9 @@ class DDPTrainer:
         (Path(self.cfg.log_dir) / f"FAILED_rank_{self.env.rank}").unlink(missing_ok=True)  # a previous run's
         clean = False
         try:
-            if self._complete_already():
-                summary = self._nothing_to_do()
+            finished = self._finished_run()
+            if finished is not None:
+                summary = self._nothing_to_do(finished)
             else:
                 rt.run_on_rank0(self._prepare_run_dir, what="preparing the run directory")
                 summary = self._finish(self._loop(stop_signal))
@@ -1307,30 +1317,43 @@ class DDPTrainer:
             rt.close_logger(self.log)
         return summary
 
-    def _complete_already(self) -> bool:
-        """A relaunch of a finished run, which must not rewrite its files or its summary: its final weights
-        are written and it resumed at its last step, or (no state at its end) resumed nothing at all.
-        Agreed, so every rank takes the same branch."""
-        final = self.checkpoint_path("final").exists()
-        at_end = self.resumed_from is not None and self.global_step >= self.total_steps
-        stateless = self.resumed_from is None and self.cfg.resume == "auto"
-        return all(rt.gather_objects(final and (at_end or stateless)))
+    def _finished_run(self) -> Optional[dict]:
+        """The summary of a run of this length that finished in this run dir (its COMPLETED marker, which
+        _finish writes last and a run removes when it starts): relaunching it has nothing to do. Read on
+        rank 0 and shared, so every rank takes the same branch. Only for --resume auto: none or a PATH
+        asks for training."""
+        if self.cfg.resume != "auto":
+            return None
+        return rt.gather_objects(self._read_completed() if self.env.is_main else None)[0]
 
-    def _nothing_to_do(self) -> dict:
-        final = self.checkpoint_path("final")
-        saved = torch.load(final, map_location="cpu", weights_only=True, mmap=True)  # mapped: only two numbers read
-        self.log.info("this run already finished at step %d (%s): nothing to do; resume none or another "
-                      "run_name starts a new one", saved["global_step"], final)
-        return {"status": "completed", "steps": saved["global_step"],
-                "resumed_from": None if self.resumed_from is None else str(self.resumed_from),
-                "already_complete": True, "final_val_loss": saved.get("val_loss"),
-                "best_val_loss": None if math.isinf(self.best_val) else self.best_val,
-                "world_size": self.env.world_size}
+    def _read_completed(self) -> Optional[dict]:
+        path = Path(self.cfg.log_dir) / COMPLETED_MARKER
+        try:
+            record = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            self.log.warning("ignoring %s: %s", path, exc)
+            return None
+        return record.get("summary") if record.get("total_steps") == self.total_steps else None
+
+    def _nothing_to_do(self, summary: dict) -> dict:
+        self.log.info("this run already finished (%s at step %d, see %s): nothing to do; resume none or another "
+                      "run_name starts a new one", summary["status"], summary["steps"],
+                      Path(self.cfg.log_dir) / COMPLETED_MARKER)
+        return {**summary, "already_complete": True}
+
+    def _write_completed_marker(self, summary: dict) -> None:
+        path = Path(self.cfg.log_dir) / COMPLETED_MARKER
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps({"total_steps": self.total_steps, "summary": summary}) + "\n")
+        os.replace(tmp, path)
 
     def _prepare_run_dir(self) -> None:
         """Rank 0: the run dir, its resolved config and metrics file, before the first step."""
         Path(self.cfg.log_dir).mkdir(parents=True, exist_ok=True)
         (Path(self.cfg.log_dir) / "PREEMPTED").unlink(missing_ok=True)
+        (Path(self.cfg.log_dir) / COMPLETED_MARKER).unlink(missing_ok=True)  # until this run finishes
         self._truncate_metrics()
         self._set_aside_old_states()
         self._write_resolved_config()
@@ -1594,6 +1617,8 @@ class DDPTrainer:
         if self.env.device.type == "cuda":
             summary["cuda_peak_gb"] = memory["cuda_peak_gb"]
         self.write_metrics({"type": "summary", **summary})
+        if status != "interrupted":  # last: a relaunch of this run then has nothing to do
+            rt.run_on_rank0(self._write_completed_marker, summary, what="writing the COMPLETED marker")
         self.log.info("finished (%s): %s", status, json.dumps(summary))
         return summary
 
@@ -1681,8 +1706,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What set-up raises for bad input (a data file, a refused or unreadable state): one line, exit 2
+SETUP_ERRORS = (ValueError, FileNotFoundError, rt.CheckpointError)
+EXIT_BAD_INPUT = 2
+
+
 def _spawned_worker(rank: int, world_size: int, cfg: dict) -> None:
-    summary = DDPTrainer(rank=rank, world_size=world_size, config=cfg).train()
+    try:
+        trainer = DDPTrainer(rank=rank, world_size=world_size, config=cfg)
+    except SETUP_ERRORS as exc:
+        if rank == 0:
+            print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        rt.exit_process(EXIT_BAD_INPUT)
+    summary = trainer.train()
     rt.exit_process(rt.EXIT_PREEMPTED if summary["status"] == "interrupted" else 0)
 
 
@@ -1695,18 +1731,25 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker) -> int:
     import torch.multiprocessing as mp
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(free_port())
-    context = mp.start_processes(worker, args=(nproc, cfg), nprocs=nproc, join=False, start_method="spawn")
+    context, forwarded = None, []
 
     def forward(signum, frame):  # the ranks agree on it, save and exit 75; this process waits for them
-        for p in context.processes:
+        forwarded.append(signum)
+        for p in context.processes if context is not None else ():
             if p.is_alive():
                 os.kill(p.pid, signum)
+    # before the start: a signal in between would kill this process and leave the ranks unattended
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
-    try:  # a rank that exits first (75 after its part of a save) leaves the others time to finish theirs
-        while not context.join(grace_period=SAVE_GRACE_S):
+    try:
+        context = mp.start_processes(worker, args=(nproc, cfg), nprocs=nproc, join=False, start_method="spawn")
+        if forwarded:
+            forward(forwarded[0], None)
+        # after a forwarded signal, a rank that exits first (75 after its part of a save) leaves the others
+        # time to finish theirs; a crash ends the rest at once
+        while not context.join(grace_period=SAVE_GRACE_S if forwarded else None):
             pass
     except mp.ProcessExitedException as exc:
-        return exc.exit_code if exc.exit_code == rt.EXIT_PREEMPTED else 1
+        return exc.exit_code if exc.exit_code in (rt.EXIT_PREEMPTED, EXIT_BAD_INPUT) else 1
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -1733,9 +1776,9 @@ def main(argv: Optional[list] = None) -> int:
     try:  # set-up errors (a data file, a refused state) are the user's input: one line, exit 2
         trainer = DDPTrainer(rank=launch["rank"], world_size=launch["world_size"],
                              local_rank=launch["local_rank"], config=cfg)
-    except (ValueError, OSError, rt.CheckpointError) as exc:
+    except SETUP_ERRORS as exc:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     summary = trainer.train()
     return rt.EXIT_PREEMPTED if summary["status"] == "interrupted" else 0
 

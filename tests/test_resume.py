@@ -90,34 +90,39 @@ def test_resume_none_starts_fresh_and_sets_the_old_states_aside(tmp_path, no_lau
                                                                           "model_state_step_5.pt"]
     (aside,) = ckpt.glob("previous_states.*")
     assert sorted(p.name for p in aside.glob("*.pt")) == ["model_state_step_15.pt", "model_state_step_20.pt"]
-    again = DDPTrainer(config=cfg_for(tmp_path, max_steps=14)).train()  # resume auto: this run, not the old one
-    assert again["resumed_from"].endswith("model_state_step_10.pt")
+    longer = DDPTrainer(config=cfg_for(tmp_path, max_steps=16)).train()  # resume auto: this run, not the old one
+    assert longer["resumed_from"].endswith("model_state_step_10.pt")
 
 
 def test_a_validation_the_state_predates_is_logged_once(tmp_path, no_launch_env):
     cfg = cfg_for(tmp_path, max_steps=10, save_every_iters=8)  # 8 steps per epoch
-    DDPTrainer(config=cfg).train()  # as if killed after step 10: the newest state is step 8's, which the
-    again = DDPTrainer(config=cfg).train()  # epoch's closing validation at step 8 came after
+    DDPTrainer(config=cfg).train()
+    (tmp_path / "logs" / "COMPLETED").unlink()  # as if killed after step 10: the newest state is step 8's,
+    again = DDPTrainer(config=cfg).train()      # which the epoch's closing validation at step 8 came after
     assert again["resumed_from"].endswith("model_state_step_8.pt")
     assert [r["step"] for r in metrics(tmp_path / "logs", "val")] == [8, 10]
 
 
 def test_relaunching_a_finished_run_changes_nothing(tmp_path, no_launch_env):
-    DDPTrainer(config=cfg_for(tmp_path)).train()  # 20 steps, a state at step 20
+    first = DDPTrainer(config=cfg_for(tmp_path)).train()  # 20 steps, a state at step 20
     files = {p: p.read_bytes() for p in [*(tmp_path / "ckpt").glob("*.pt"), tmp_path / "logs" / "metrics.jsonl"]}
     again = DDPTrainer(config=cfg_for(tmp_path)).train()
-    assert again["already_complete"] and again["steps"] == 20 and again["resumed_from"].endswith("step_20.pt")
-    assert {p: p.read_bytes() for p in files} == files  # its summary (and timing) is the finished run's
+    assert again == {**first, "already_complete": True}  # its summary, and its files untouched
+    assert {p: p.read_bytes() for p in files} == files
 
 
 def test_relaunching_a_finished_run_without_a_final_state_changes_nothing(tmp_path, no_launch_env):
-    DDPTrainer(config=cfg_for(tmp_path, save_every_iters=0)).train()  # no resumable state at all
+    # an early stop at step 10 (patience 1 on an unchanging loss), with no resumable state at all
+    cfg = cfg_for(tmp_path, val_interval=5, patience=1, min_delta=0.1, learning_rate=1e-9, warmup_steps=0,
+                  save_every_iters=0)
+    first = DDPTrainer(config=cfg).train()
+    assert first["status"] == "early_stopped" and first["steps"] == 10
     files = {p: p.read_bytes() for p in [*(tmp_path / "ckpt").glob("*.pt"), tmp_path / "logs" / "metrics.jsonl"]}
-    again = DDPTrainer(config=cfg_for(tmp_path, save_every_iters=0)).train()
-    assert again["already_complete"] and again["steps"] == 20 and again["resumed_from"] is None
+    again = DDPTrainer(config=cfg).train()
+    assert again["already_complete"] and again["status"] == "early_stopped" and again["steps"] == 10
     assert {p: p.read_bytes() for p in files} == files
-    fresh = DDPTrainer(config=cfg_for(tmp_path, save_every_iters=0, resume="none", max_steps=3)).train()
-    assert fresh["steps"] == 3 and not fresh.get("already_complete")  # asked for: trains over it
+    longer = DDPTrainer(config={**cfg, "max_steps": 30, "patience": 0}).train()  # another length: trains on
+    assert longer["steps"] == 30 and not longer.get("already_complete")
 
 
 def test_only_the_newest_states_are_kept(tmp_path, no_launch_env):

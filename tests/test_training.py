@@ -229,13 +229,15 @@ def test_cli_precedence_defaults_yaml_flags(tmp_path):
     (["--min_lr_ratio", "2"], "'min_lr_ratio' must be in [0, 1]"),
     (["--nproc", "0"], "--nproc must be >= 1, got 0"),
     (["--config", "missing.yaml"], "--config missing.yaml: [Errno 2] No such file"),
-    (["--cpu", "--data", "missing.txt"], "missing.txt"),
+    (["--cpu", "--data", "missing.txt"], "error: FileNotFoundError: --data missing.txt: no such file"),
+    (["--cpu", "--nproc", "2", "--data", "missing.txt"], "error: FileNotFoundError: --data missing.txt: no such"),
 ])
 def test_cli_bad_input_exits_2_with_a_clear_message(tmp_path, argv, message):
     (tmp_path / "bad.yaml").write_text("bogus_key: 1\n")
     argv = [a.replace("{yaml}", str(tmp_path / "bad.yaml")) for a in argv]
     r = run([sys.executable, REPO / "ddp_training.py", *argv], cwd=tmp_path, timeout=60)
     assert r.returncode == 2 and message in r.stdout, r.stdout
+    assert "Traceback" not in r.stdout and r.stdout.count("error:") == 1, r.stdout  # one line, from rank 0
 
 
 # -- real processes ----------------------------------------------------------------------
