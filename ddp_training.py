@@ -104,6 +104,7 @@ HELP = {
 
 @dataclass
 class TrainConfig:
+    """Every key of a run, with its default; HELP above says what each means."""
     # model (the default LM)
     vocab_size: int = 64
     hidden_size: int = 128
