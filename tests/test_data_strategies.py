@@ -105,12 +105,12 @@ class StallsOnce(torch.utils.data.Dataset):
     def __getitem__(self, i):
         self.calls += 1
         if self.calls == self.at:
-            time.sleep(12)
+            time.sleep(8)
         return self.base[i]
 
 
 def _stalled(rank, world_size, root):
-    cfg = {**CFG, "data_strategy": "dispatch", "dist_timeout": 5, "log_dir": str(Path(root) / "logs"),
+    cfg = {**CFG, "data_strategy": "dispatch", "dist_timeout": 3, "log_dir": str(Path(root) / "logs"),
            "checkpoint_dir": str(Path(root) / "ckpt")}
     data = synthetic_lm_data(TrainConfig.from_dict(cfg))
     torch.manual_seed(0)
@@ -125,4 +125,4 @@ def _stalled(rank, world_size, root):
 def test_dispatch_with_a_stuck_rank_0_names_the_timeout_not_bad_data(tmp_path):
     # the other rank's scatter times out: a failed collective, never a data error replayed as its own failure
     _, other = spawn(_stalled, 2, str(tmp_path), timeout=90)
-    assert other.startswith("StepFailed: step 2: a collective did not complete within dist_timeout=5s"), other
+    assert other.startswith("StepFailed: step 2: a collective did not complete within dist_timeout=3s"), other
