@@ -1083,12 +1083,16 @@ class DDPTrainer:
 
     def state_files(self) -> list:
         """Resumable states in the checkpoint dir, oldest first."""
+        return [p for _, p in self._states_by_step()]
+
+    def _states_by_step(self) -> list:
+        """(step, path) of every resumable state in the checkpoint dir, oldest first."""
         found = []
         for p in self.ckpt_dir.glob(f"{self.cfg.checkpoint_prefix}_state_step_*.pt"):
             tail = p.stem.rsplit("_", 1)[-1]
             if tail.isdigit():
                 found.append((int(tail), p))
-        return [p for _, p in sorted(found)]
+        return sorted(found)
 
     def state_payload(self) -> dict:
         """Everything needed to continue bit-exactly: weights, optimizer, schedule, scaler,
@@ -1540,7 +1544,7 @@ class DDPTrainer:
         """States past this run's starting step (another run's, when starting fresh; unloadable ones
         after a fallback) move into a subdir: pruning by step would otherwise delete this run's new states
         in favour of them, and a later --resume auto would continue from them."""
-        old = [p for p in self.state_files() if int(p.stem.rsplit("_", 1)[-1]) > self.global_step]
+        old = [p for step, p in self._states_by_step() if step > self.global_step]
         if not old:
             return
         aside = Path(tempfile.mkdtemp(prefix=f"previous_states.{int(time.time())}.", dir=self.ckpt_dir))

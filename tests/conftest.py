@@ -35,6 +35,21 @@ class Indices(torch.utils.data.Dataset):
         return torch.tensor(float(i))
 
 
+class FlakyData(torch.utils.data.Dataset):
+    """A dataset with some samples that fail to load (an unreadable record)."""
+
+    def __init__(self, base, bad):
+        self.base, self.bad = base, set(bad)
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        if i in self.bad:
+            raise OSError(f"sample {i} unreadable")
+        return self.base[i]
+
+
 # Variables that would make a "plain" process think it is part of a distributed job.
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST", "TORCHELASTIC_RUN_ID")

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import ddp_runtime as rt
-from conftest import Indices, background, metrics, clean_env, torchrun, torchrun_workers, wait_for_step
+from conftest import FlakyData, Indices, background, metrics, clean_env, torchrun, torchrun_workers, wait_for_step
 from dist_helpers import spawn
 from ddp_training import CausalLM, DDPTrainer, TrainConfig, lm_loss, synthetic_lm_data
 
@@ -195,21 +195,6 @@ def test_a_rank_that_dies_does_not_hang_the_other(tmp_path):
     assert time.time() - t0 < 30
     log = (tmp_path / "logs" / "rank_0.log").read_text()
     assert "step 4:" in log and "training failed" in log
-
-
-class FlakyData(torch.utils.data.Dataset):
-    """The Markov sequences, with some samples that fail to load."""
-
-    def __init__(self, base, bad):
-        self.base, self.bad = base, set(bad)
-
-    def __len__(self):
-        return len(self.base)
-
-    def __getitem__(self, i):
-        if i in self.bad:
-            raise OSError(f"sample {i} unreadable")
-        return self.base[i]
 
 
 def _flaky(rank, world_size, root, max_errors):

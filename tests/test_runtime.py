@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import ddp_runtime as rt
-from conftest import Indices
+from conftest import FlakyData, Indices
 from dist_helpers import spawn
 
 
@@ -268,19 +268,6 @@ TRAIN_CFG = dict(hidden_size=32, num_layers=1, num_heads=2, seq_len=16, dataset_
                  max_errors_per_epoch=10)
 
 
-class FlakySequences(torch.utils.data.Dataset):
-    def __init__(self, base, bad):
-        self.base, self.bad = base, set(bad)
-
-    def __len__(self):
-        return len(self.base)
-
-    def __getitem__(self, i):
-        if i in self.bad:
-            raise OSError(f"sample {i} unreadable")
-        return self.base[i]
-
-
 def _train_flaky(rank, world_size, root, strategy):
     # Imported here: the rest of this file tests the runtime without the trainer.
     from ddp_training import CausalLM, DDPTrainer, TrainConfig, synthetic_lm_data
@@ -289,7 +276,7 @@ def _train_flaky(rank, world_size, root, strategy):
     data = synthetic_lm_data(TrainConfig.from_dict(TRAIN_CFG))
     torch.manual_seed(0)
     s = DDPTrainer(rank=rank, world_size=world_size, config=cfg, model=CausalLM(64, 32, 1, 2, 16),
-                   train_dataset=FlakySequences(data.train, range(0, 200, 37)), val_dataset=data.val).train()
+                   train_dataset=FlakyData(data.train, range(0, 200, 37)), val_dataset=data.val).train()
     return s["status"], s["steps"]
 
 
