@@ -8,7 +8,7 @@ Throughput, scaling and overhead figures for the kit, on whatever machine runs i
 
 Each prints a markdown table; with --json it prints one JSON object on stdout instead (progress goes to
 stderr either way). What exactly is timed is written next to each figure, in the table and in the JSON.
-All training here runs on the CPU.
+Training runs on the CPU unless `--device cuda` is given (overhead, loader, checkpoint); scaling is gloo on the CPU.
 """
 
 import argparse
@@ -35,8 +35,8 @@ import torch.nn.functional as F
 import config
 import ddp_runtime as rt
 import training_logs
-from ddp_training import (CausalLM, DDPTrainer, TrainConfig, build_optimizer, lr_factor, spawn_local,
-                          synthetic_lm_data)
+from ddp_training import (CausalLM, DDPTrainer, TrainConfig, amp_dtype_for, build_optimizer, lr_factor,
+                          peak_bf16_flops, spawn_local, synthetic_lm_data)
 
 REPO = Path(__file__).resolve().parent
 DEFAULTS = TrainConfig()  # the trainer's defaults, read here so they are written only once
@@ -99,10 +99,39 @@ def own_cpu_s():
 _START = {}
 
 
-def environment():
+def environment(device="cpu"):
     _START.update(wall=time.perf_counter(), stat=cpu_stat(), own=own_cpu_s())
-    return {"cpu": cpu_model(), "cores": rt.cpu_count(), "torch": torch.__version__, "numpy": np.__version__,
-            "python": sys.version.split()[0], "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
+    env = {"cpu": cpu_model(), "cores": rt.cpu_count(), "torch": torch.__version__, "numpy": np.__version__,
+           "python": sys.version.split()[0], "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
+    if torch.device(device).type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env["gpu"] = {"name": props.name, "memory_gib": props.total_memory / 2**30, "sms": props.multi_processor_count,
+                      "capability": f"{props.major}.{props.minor}", "cuda": torch.version.cuda,
+                      "peak_bf16_tflops": (peak_bf16_flops(torch.device(device)) or 0) / 1e12 or None}
+    return env
+
+
+def check_device(device):
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda, but torch sees no CUDA device")
+    return torch.device(device)
+
+
+def sync(device):
+    """Wait for the queued device work, so that a host clock read after it counts it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak(device):
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gib(device):
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
 def finish(out, args, table):
@@ -124,7 +153,8 @@ def finish(out, args, table):
         other = "" if env["other_cpu_cores"] is None else \
             (f"; other processes used {env['other_cpu_cores']:.2f} cores on average meanwhile, the hypervisor "
              f"took {env['steal_cpu_cores']:.2f}")
-        print(f"\n{env['cpu']}, {env['cores']} cores, torch {env['torch']}, load average "
+        gpu = f"{env['gpu']['name']} (CUDA {env['gpu']['cuda']}), " if "gpu" in env else ""
+        print(f"\n{gpu}{env['cpu']}, {env['cores']} cores, torch {env['torch']}, load average "
               f"{env['loadavg_start'][0]:.2f} at start{other}")
 
 
@@ -219,11 +249,17 @@ def add_model_flags(p, batch_size=DEFAULTS.batch_size):
 # overhead: DDPTrainer vs a bare loop, same model, batches, optimizer and threads
 
 
-def bare_loop(model, raw_model, loader, total, cfg):
+def bare_loop(model, raw_model, loader, total, cfg, device=torch.device("cpu"), timed_from=None):
     """A plain training loop over `loader`: forward, mean cross-entropy, backward, the trainer's clipping,
     AdamW and LR schedule. `model` may be a DDP wrapper of `raw_model`. Returns end-of-step times and the
-    last loss."""
-    opt = build_optimizer(raw_model, cfg.learning_rate, cfg.weight_decay, torch.device("cpu"))
+    last loss. On CUDA it takes the trainer's fast paths (its autocast dtype, fused AdamW, non-blocking copies
+    from pinned batches) and waits for the device only at the ends of the timed window, after step
+    `timed_from` and the last one: a bare loop at its fastest, with no host sync per step."""
+    amp = amp_dtype_for(cfg, device)
+    if amp == torch.float16:
+        raise SystemExit("error: the bare loop has no GradScaler, so it runs bf16 or fp32 only: pass --precision "
+                         "bf16 or fp32")
+    opt = build_optimizer(raw_model, cfg.learning_rate, cfg.weight_decay, device)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(
         s, total, cfg.warmup_steps, cfg.lr_schedule, cfg.min_lr_ratio))
     model.train()
@@ -231,14 +267,18 @@ def bare_loop(model, raw_model, loader, total, cfg):
     for step, (x, y) in enumerate(loader):
         if step == total:
             break
-        logits = model(x)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+            logits = model(x)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         loss.backward()
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         sched.step()
+        if step + 1 in (timed_from, total):
+            sync(device)
         times.append(time.perf_counter())
     if len(times) != total:
         raise RuntimeError(f"the loader gave {len(times)} batches, {total} needed")
@@ -250,12 +290,16 @@ def build_lm(cfg):
     return CausalLM(cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.seq_len, cfg.dropout)
 
 
-def bare_run(cfg, data):
-    """The bare loop in this process over the same DataLoader batches the trainer sees."""
+def bare_run(cfg, data, warmup):
+    """The bare loop in this process over the same DataLoader batches the trainer sees, on the trainer's device
+    (compiled if the trainer's config compiles)."""
     cfg = TrainConfig.from_dict(cfg)
-    model = build_lm(cfg)
-    loader = rt.build_dataloader(data.train, cfg.batch_size, train=True, rank=0, world_size=1, seed=cfg.seed)
-    return bare_loop(model, model, loader, cfg.max_steps, cfg)
+    device = torch.device(cfg.device)
+    raw = build_lm(cfg).to(device)
+    model = torch.compile(raw) if cfg.compile else raw
+    loader = rt.build_dataloader(data.train, cfg.batch_size, train=True, rank=0, world_size=1, seed=cfg.seed,
+                                 pin_memory=cfg.pin_memory and device.type == "cuda")
+    return bare_loop(model, raw, loader, cfg.max_steps, cfg, device, timed_from=warmup)
 
 
 def trainer_run(args, cfg, run_dir):
@@ -288,55 +332,81 @@ def gc_collect_s(repeats=3):
     return timed(gc.collect, repeats)
 
 
+PRECISIONS = {"auto": {}, "bf16": {"use_amp": True, "amp_dtype": "bf16"}, "fp32": {"use_amp": False}}
+
+
 def cmd_overhead(args):
     set_threads(args.threads)
+    device = check_device(args.device)
     total = args.warmup + args.steps
     # one epoch holds every timed step, so the per-epoch validation runs only after the last one
     dataset_size = max(DEFAULTS.dataset_size, (total + 1) * args.batch_size)
     cfg = dict(lm_config(args), batch_size=args.batch_size, dataset_size=dataset_size, max_steps=total,
-               device="cpu", seed=args.seed, save_interval=0, save_every_iters=0, val_interval=0, resume="none")
+               device=args.device, compile=args.compile, seed=args.seed, save_interval=0, save_every_iters=0,
+               val_interval=0, resume="none", **PRECISIONS[args.precision])
     data = synthetic_lm_data(TrainConfig.from_dict(cfg))
     changed = parse_settings(args.trainer_set)
     base_cfg, cfg = cfg, dict(cfg, **changed)
     TrainConfig.from_dict(cfg)  # an unknown key fails here, before any run
-    out = {"command": "overhead", "env": environment(),
+    amp = amp_dtype_for(TrainConfig.from_dict(base_cfg), device)
+    out = {"command": "overhead", "env": environment(args.device),
            "config": dict(dict(learning_rate=DEFAULTS.learning_rate, weight_decay=DEFAULTS.weight_decay,
                                grad_clip=DEFAULTS.grad_clip, memory_check_interval=DEFAULTS.memory_check_interval,
                                cleanup_interval=DEFAULTS.cleanup_interval, log_interval=DEFAULTS.log_interval),
-                          **cfg, threads=args.threads, warmup=args.warmup, steps=args.steps, repeats=args.repeats,
-                          trainer_changed=changed),
+                          **cfg, autocast=str(amp).replace("torch.", "") if amp else None, threads=args.threads,
+                          warmup=args.warmup, steps=args.steps, repeats=args.repeats, trainer_changed=changed),
            "timed": (f"steps {args.warmup + 1}..{total} of each run: from the end of step {args.warmup} to the end of "
                      f"step {total}, so data loading and everything the loop does per step is included; set-up, "
                      f"warm-up, the final validation and checkpoint are not. Trainer step ends come from the "
-                     f"'time' field of its metrics.jsonl records")}
-    bare, trainer, bare_loss, trainer_loss = [], [], None, None
+                     f"'time' field of its metrics.jsonl records"
+                     + ("; on CUDA the trainer waits for the device once per step (its step result), the bare "
+                        "loop only after the two steps that bound the window" if device.type == "cuda" else ""))}
+    bare, trainer, bare_loss, trainer_loss, peaks = [], [], None, None, {"bare": [], "trainer": []}
     with workdir(args.dir) as tmp:
         for rep in range(args.repeats):
-            t, bare_loss = bare_run(base_cfg, data)
+            reset_peak(device)
+            t, bare_loss = bare_run(base_cfg, data, args.warmup)
             bare.append(steady_rate(t, args.warmup))
+            peaks["bare"].append(peak_gib(device))
             gc.collect()
+            reset_peak(device)
             t, trainer_loss = trainer_run(args, cfg, tmp / f"run{rep}")
             trainer.append(steady_rate(t, args.warmup))
+            peaks["trainer"].append(peak_gib(device))
             gc.collect()
             say(f"overhead repeat {rep + 1}/{args.repeats}: bare {bare[-1]:.2f} steps/s, "
                 f"trainer {trainer[-1]:.2f} steps/s")
     bare_med, trainer_med = median(bare), median(trainer)
     ratio = trainer_med / bare_med
     gc_s, cleanup = gc_collect_s(), cfg.get("cleanup_interval", DEFAULTS.cleanup_interval)
-    out.update(bare_steps_per_s=bare_med, trainer_steps_per_s=trainer_med, ratio=ratio,
-               trainer_extra_ms_per_step=1000 / trainer_med - 1000 / bare_med,
+    tokens = args.batch_size * args.seq_len
+    flops_per_step = build_lm(TrainConfig.from_dict(base_cfg)).flops_per_token() * tokens
+    peak = peak_bf16_flops(device)
+    loops = {}
+    for name, rate in (("bare", bare_med), ("trainer", trainer_med)):
+        loops[name] = {"steps_per_s": rate, "step_ms": 1000 / rate, "samples_per_s": rate * args.batch_size,
+                       "tokens_per_s": rate * tokens, "mfu": rate * flops_per_step / peak if peak else None,
+                       "peak_memory_gib": max(peaks[name]) if device.type == "cuda" else None}
+    out.update(bare_steps_per_s=bare_med, trainer_steps_per_s=trainer_med, ratio=ratio, loops=loops,
+               flops_per_step=flops_per_step, trainer_extra_ms_per_step=1000 / trainer_med - 1000 / bare_med,
                gc_collect_ms=1000 * gc_s, gc_ms_per_step=1000 * gc_s / cleanup if cleanup else 0.0,
                gc_in_window=total // cleanup - args.warmup // cleanup if cleanup else 0,
                bare_runs=bare, trainer_runs=trainer, pair_ratios=[t / b for b, t in zip(bare, trainer)],
                samples_per_step=args.batch_size, bare_final_loss=bare_loss, trainer_final_loss=trainer_loss,
                target_ratio=TARGET_OVERHEAD_RATIO, meets_target=ratio >= TARGET_OVERHEAD_RATIO)
     pr = out["pair_ratios"]
-    table = markdown(["loop", "steps/s (median)", "runs", "ms/step", f"loss at step {total}"], [
-        ["bare PyTorch", f"{bare_med:.2f}", " ".join(f"{x:.2f}" for x in bare), f"{1000 / bare_med:.1f}",
-         f"{bare_loss:.4f}"],
-        ["DDPTrainer", f"{trainer_med:.2f}", " ".join(f"{x:.2f}" for x in trainer), f"{1000 / trainer_med:.1f}",
-         f"{trainer_loss:.4f}"]])
-    table += (f"\n\nratio trainer / bare = {ratio:.3f} (target >= {TARGET_OVERHEAD_RATIO}: "
+    rows = []
+    for name, title, runs, loss in (("bare", "bare PyTorch", bare, bare_loss),
+                                    ("trainer", "DDPTrainer", trainer, trainer_loss)):
+        lp = loops[name]
+        rows.append([title, f"{lp['steps_per_s']:.2f}", " ".join(f"{x:.2f}" for x in runs), f"{lp['step_ms']:.1f}",
+                     f"{lp['samples_per_s']:.0f}", f"{lp['tokens_per_s']:.0f}",
+                     "-" if lp["mfu"] is None else f"{lp['mfu']:.3f}",
+                     "-" if lp["peak_memory_gib"] is None else f"{lp['peak_memory_gib']:.2f}", f"{loss:.4f}"])
+    table = markdown(["loop", "steps/s (median)", "runs", "ms/step", "samples/s", "tokens/s", "MFU",
+                      "peak GPU memory GiB", f"loss at step {total}"], rows)
+    table += (f"\n\n{args.device}, autocast {out['config']['autocast']}, compile {args.compile}; "
+              f"ratio trainer / bare = {ratio:.3f} (target >= {TARGET_OVERHEAD_RATIO}: "
               f"{'met' if out['meets_target'] else 'missed'}); per interleaved pair {min(pr):.3f}..{max(pr):.3f}\n"
               f"the trainer adds {out['trainer_extra_ms_per_step']:.2f} ms per step; "
               + (f"gc.collect() every cleanup_interval={cleanup} steps costs {out['gc_collect_ms']:.0f} ms here "
@@ -344,6 +414,8 @@ def cmd_overhead(args):
                  f"{out['gc_in_window']} of them)\n" if cleanup else
                  f"gc.collect() is off (cleanup_interval=0); one would cost {out['gc_collect_ms']:.0f} ms here\n")
               + (f"trainer config changed from the defaults: {changed}\n" if changed else "")
+              + (f"MFU: {flops_per_step / tokens:.3g} FLOPs per token (CausalLM.flops_per_token) over the "
+                 f"{peak / 1e12:.0f} TFLOP/s dense bf16 peak\n" if peak else "")
               + f"timed: {out['timed']}")
     finish(out, args, table)
 
@@ -639,29 +711,36 @@ def probe(spec, timeout):
 
 def consumer_rate(args, data_dir):
     """Samples/s of one training step (forward, backward, AdamW) of the model the loader feeds: the AC
-    predictor at its default preset."""
+    predictor at --preset, on --device with the trainer's default autocast there (bf16 on CUDA) and the batch
+    already on the device."""
     import vj2ac_train_multi_gpu as vj2ac
     from vj2_dataloader import VJ2TrajectoryDataset
+    device = torch.device(args.device)
     ds = VJ2TrajectoryDataset(data_dir)
     batch = torch.utils.data.default_collate([ds[i % len(ds)] for i in range(args.batch_size)])
-    preset = dict(config.PREDICTOR_PRESETS[config.DEFAULT_PREDICTOR_PRESET])
+    batch = rt.map_tensors(lambda t: t.to(device), batch)
+    preset = dict(config.PREDICTOR_PRESETS[args.preset])
     torch.manual_seed(0)
-    model = vj2ac.predictor_for(ds.geometry, argparse.Namespace(**preset))
+    model = vj2ac.predictor_for(ds.geometry, argparse.Namespace(**preset)).to(device)
     loss_fn = lambda m, b: vj2ac.vj2_loss(m, b, config.ROLLOUT_HORIZON)  # noqa: E731
-    name = (f"AC predictor, preset {config.DEFAULT_PREDICTOR_PRESET} {preset}, rollout_horizon "
-            f"{config.ROLLOUT_HORIZON}, data {ds.geometry}")
-    opt = build_optimizer(model, 1e-3, 0.04, torch.device("cpu"))
+    amp = amp_dtype_for(DEFAULTS, device)
+    name = (f"AC predictor, preset {args.preset} {preset}, rollout_horizon {config.ROLLOUT_HORIZON}, data "
+            f"{ds.geometry}, {device.type}, autocast {str(amp).replace('torch.', '') if amp else None}")
+    opt = build_optimizer(model, 1e-3, 0.04, device)
     times = []
     for _ in range(1 + args.train_steps):  # one warm-up step
         start = time.perf_counter()
-        out = loss_fn(model, batch)
+        with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+            out = loss_fn(model, batch)
         (out[0] / out[1]).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        sync(device)
         times.append(time.perf_counter() - start)
     step_s = median(times[1:])
     return {"model": name, "batch_size": args.batch_size, "threads": torch.get_num_threads(), "step_s": step_s,
-            "samples_per_s": args.batch_size / step_s, "step_s_runs": times[1:]}
+            "samples_per_s": args.batch_size / step_s, "step_s_runs": times[1:], "device": device.type,
+            "peak_memory_gib": peak_gib(device)}
 
 
 def validation_rate(data_dir, repeats=3):
@@ -684,11 +763,13 @@ def link_subset(files, dest):
 
 def cmd_loader(args):
     set_threads(args.threads)
+    check_device(args.device)
     geometry = dict(steps=args.steps, patches=args.patches, embed_dim=args.embed_dim,
                     actions_per_step=args.actions_per_step, channels=args.channels)
     workers = [int(w) for w in args.workers.split(",")]
-    out = {"command": "loader", "env": environment(),
-           "config": dict(geometry, dtype="float16", batch_size=args.batch_size, workers=workers,
+    out = {"command": "loader", "env": environment(args.device),
+           "config": dict(geometry, dtype="float16", batch_size=args.batch_size, workers=workers, device=args.device,
+                          preset=args.preset,
                           files_1x=args.files, files_3x=3 * args.files, trajectories_per_file=args.traj_per_file,
                           max_open_files=args.max_open_files, rss_epochs=args.rss_epochs, threads=args.threads),
            "timed": ("loader: epochs of the training loader (rt.build_dataloader, shuffled, drop_last) in a fresh "
@@ -773,11 +854,11 @@ def timed(fn, repeats):
     return median(times)
 
 
-def payloads(hidden, layers, heads, seq_len, vocab, run_dir):
+def payloads(hidden, layers, heads, seq_len, vocab, run_dir, device):
     """The trainer's own two checkpoint payloads (DDPTrainer.checkpoint_payload and state_payload) after one
-    training step, so the AdamW state is fully populated."""
+    training step, so the AdamW state is fully populated; their tensors live on `device`."""
     cfg = dict(vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads, seq_len=seq_len,
-               max_steps=1, device="cpu", save_interval=0, resume="none", log_dir=str(run_dir / "logs"),
+               max_steps=1, device=device, save_interval=0, resume="none", log_dir=str(run_dir / "logs"),
                checkpoint_dir=str(run_dir / "ckpt"))
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
         trainer = DDPTrainer(rank=0, world_size=1, config=cfg)
@@ -785,14 +866,18 @@ def payloads(hidden, layers, heads, seq_len, vocab, run_dir):
     return trainer.raw_model, trainer.checkpoint_payload(), trainer.state_payload()
 
 
-def save_load(obj, path, repeats):
+def save_load(obj, path, repeats, device):
     def write(durable):  # the write itself: serialise into a file (and fsync it), no rename, no hash
         with open(path.with_suffix(".plain"), "wb") as f:
             torch.save(obj, f)
             if durable:
                 f.flush()
                 os.fsync(f.fileno())
-    res = {"snapshot_s": timed(lambda: rt.host_snapshot(obj), repeats),
+    res = {"snapshot_s": timed(lambda: rt.host_snapshot(obj), repeats)}
+    if device.type == "cuda":  # the trainer's default there: page-locked copies (pin_memory)
+        res["snapshot_pinned_first_s"] = timed(lambda: rt.host_snapshot(obj, pin=True), 1)
+        res["snapshot_pinned_s"] = timed(lambda: rt.host_snapshot(obj, pin=True), repeats)
+    res.update({
            "serialize_s": timed(lambda: torch.save(obj, io.BytesIO()), repeats),
            "write_nofsync_s": timed(lambda: write(False), repeats),
            "write_s": timed(lambda: write(True), repeats),
@@ -800,21 +885,21 @@ def save_load(obj, path, repeats):
            "sha256_s": timed(lambda: rt.sha256_file(path), repeats),
            "load_s": timed(lambda: rt.load_checkpoint(path), repeats),
            "load_noverify_s": timed(lambda: rt.load_checkpoint(path, verify=False), repeats),
-           "bytes": path.stat().st_size}
+           "bytes": path.stat().st_size})
     # what atomic_save does beyond the durable write and the hash: rename, the sidecar (write, fsync, rename)
     # and two directory fsyncs
     res["rest_s"] = max(0.0, res["save_s"] - res["write_s"] - res["sha256_s"])
     return res
 
 
-def snapshot_both(weights, state):
+def snapshot_both(weights, state, pin):
     """What a save point costs the loop with async_checkpoint: one host copy of both payloads (shared weights)."""
     memo = {}
-    rt.host_snapshot(weights, memo)
-    rt.host_snapshot(state, memo)
+    rt.host_snapshot(weights, memo, pin)
+    rt.host_snapshot(state, memo, pin)
 
 
-def in_loop_blocking(args, hidden, layers, heads, run_dir, background):
+def in_loop_blocking(args, hidden, layers, heads, run_dir, background, pin=True):
     """A real DDPTrainer run saving weights + resumable state every `every` steps. The loop calls
     save_checkpoint and save_state and waits for them to return (with async_checkpoint: the host copy, and any
     write of the previous save point still running), so their durations (timed by wrapping the two methods of
@@ -824,9 +909,9 @@ def in_loop_blocking(args, hidden, layers, heads, run_dir, background):
     total = every * args.loop_saves + 1  # the last save is followed by one more step
     cfg = dict(vocab_size=args.vocab_size, hidden_size=hidden, num_layers=layers, num_heads=heads,
                seq_len=args.seq_len, batch_size=args.loop_batch, dataset_size=max(1024, (total + 1) * args.loop_batch),
-               max_steps=total, device="cpu", save_interval=0, save_every_iters=every, val_interval=0,
+               max_steps=total, device=args.device, save_interval=0, save_every_iters=every, val_interval=0,
                resume="none", log_dir=str(run_dir / "logs"), checkpoint_dir=str(run_dir / "ckpt"),
-               async_checkpoint=background)
+               async_checkpoint=background, pin_memory=pin)
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
         trainer = DDPTrainer(rank=0, world_size=1, config=cfg)
         calls = []  # (method, tag, seconds)
@@ -854,9 +939,11 @@ def in_loop_blocking(args, hidden, layers, heads, run_dir, background):
 
 def cmd_checkpoint(args):
     set_threads(args.threads)
-    out = {"command": "checkpoint", "env": environment(),
+    device = check_device(args.device)
+    cuda = device.type == "cuda"
+    out = {"command": "checkpoint", "env": environment(args.device),
            "config": dict(sizes=args.sizes, seq_len=args.seq_len, vocab_size=args.vocab_size, repeats=args.repeats,
-                          threads=args.threads, dir=str(args.dir or tempfile.gettempdir())),
+                          threads=args.threads, device=args.device, dir=str(args.dir or tempfile.gettempdir())),
            "timed": ("median of repeats. serialize: torch.save into memory; write: torch.save into a file and fsync "
                      "it (write w/o fsync also given); save: "
                      "ddp_runtime.atomic_save (temp file, fsync, rename, SHA-256 sidecar, directory fsync), what "
@@ -866,27 +953,35 @@ def cmd_checkpoint(args):
                      "(async_checkpoint=false, every rank waits for them); write_s: both writes + fsync. load: "
                      "ddp_runtime.load_checkpoint (SHA-256 check + torch.load weights_only=True). in_loop: a real "
                      "DDPTrainer run with save_every_iters, async and sync: the save_checkpoint + save_state calls "
-                     "of a save (median), and the step period with a save minus the median period")}
+                     "of a save (median), and the step period with a save minus the median period"
+                     + (". On CUDA the payloads' tensors are on the GPU; snapshot_pinned: the host copy into "
+                        "page-locked memory (the trainer's default there, pin_memory), first call and median of "
+                        "the later ones; blocked_s and in_loop async are pinned, blocked_pageable_s and in_loop "
+                        "async_pageable are not" if cuda else ""))}
     models = []
     with workdir(args.dir) as tmp:
         for size in args.sizes.split(","):
             hidden, layers = (int(v) for v in size.lower().split("x"))
             heads = DEFAULTS.num_heads if hidden % DEFAULTS.num_heads == 0 else 1
             model, weights, state = payloads(hidden, layers, heads, args.seq_len, args.vocab_size,
-                                             tmp / f"payload_{size}")
+                                             tmp / f"payload_{size}", args.device)
             entry = {"name": size, "hidden_size": hidden, "num_layers": layers, "num_heads": heads,
                      "params": sum(p.numel() for p in model.parameters())}
-            entry["weights"] = save_load(weights, tmp / f"{size}_weights.pt", args.repeats)
-            entry["state"] = save_load(state, tmp / f"{size}_state.pt", args.repeats)
+            entry["weights"] = save_load(weights, tmp / f"{size}_weights.pt", args.repeats, device)
+            entry["state"] = save_load(state, tmp / f"{size}_state.pt", args.repeats, device)
             entry["write_s"] = entry["weights"]["write_s"] + entry["state"]["write_s"]
-            entry["blocked_s"] = timed(functools.partial(snapshot_both, weights, state), args.repeats)
+            entry["blocked_s"] = timed(functools.partial(snapshot_both, weights, state, cuda), args.repeats)
+            if cuda:
+                entry["blocked_pageable_s"] = timed(functools.partial(snapshot_both, weights, state, False),
+                                                    args.repeats)
             entry["blocked_sync_s"] = entry["weights"]["save_s"] + entry["state"]["save_s"]
             entry["blocked_over_write"] = entry["blocked_s"] / entry["write_s"]
             entry["sync_blocked_over_write"] = entry["blocked_sync_s"] / entry["write_s"]
             if args.loop_saves:
+                modes = ("async", "sync") + (("async_pageable",) if cuda else ())
                 entry["in_loop"] = {mode: in_loop_blocking(args, hidden, layers, heads, tmp / f"loop_{size}_{mode}",
-                                                           background=mode == "async")
-                                    for mode in ("async", "sync")}
+                                                           background=mode != "sync", pin=mode != "async_pageable")
+                                    for mode in modes}
                 entry["in_loop"]["async"]["blocked_over_write"] = entry["in_loop"]["async"]["blocked_s"] / entry["write_s"]
             models.append(entry)
             say(f"checkpoint {size}: weights {entry['weights']['bytes'] / 2**20:.1f} MiB, "
@@ -901,16 +996,22 @@ def cmd_checkpoint(args):
     for m in models:
         for kind in ("weights", "state"):
             r = m[kind]
+            pinned = ([f"{r['snapshot_pinned_first_s'] * 1e3:.1f}", f"{r['snapshot_pinned_s'] * 1e3:.1f}"]
+                      if cuda else [])
             rows.append([f"{m['name']} ({m['params'] / 1e6:.2f}M)", kind, f"{r['bytes'] / 2**20:.2f}",
-                         f"{r['snapshot_s'] * 1e3:.1f}", f"{r['serialize_s'] * 1e3:.1f}", f"{r['write_nofsync_s'] * 1e3:.1f}",
+                         f"{r['snapshot_s'] * 1e3:.1f}", *pinned, f"{r['serialize_s'] * 1e3:.1f}",
+                         f"{r['write_nofsync_s'] * 1e3:.1f}",
                          f"{r['write_s'] * 1e3:.1f}", f"{r['save_s'] * 1e3:.1f}", f"{r['sha256_s'] * 1e3:.1f}",
                          f"{r['rest_s'] * 1e3:.1f}", f"{r['load_s'] * 1e3:.1f}",
                          f"{r['load_noverify_s'] * 1e3:.1f}"])
-    t1 = markdown(["model (params)", "payload", "MiB", "snapshot ms", "serialize ms", "write ms", "write+fsync ms", "save ms",
-                   "of which sha256 ms", "of which rest ms", "load ms", "load w/o verify ms"], rows)
+    pinned = ["pinned snapshot, first ms", "pinned snapshot ms"] if cuda else []
+    t1 = markdown(["model (params)", "payload", "MiB", "snapshot ms", *pinned, "serialize ms", "write ms",
+                   "write+fsync ms", "save ms", "of which sha256 ms", "of which rest ms", "load ms",
+                   "load w/o verify ms"], rows)
     rows = []
     for m in models:
-        for mode, blocked in (("async", m["blocked_s"]), ("sync", m["blocked_sync_s"])):
+        for mode, blocked in (("async", m["blocked_s"]), ("sync", m["blocked_sync_s"]))\
+                + ((("async_pageable", m["blocked_pageable_s"]),) if cuda else ()):
             loop = m.get("in_loop", {}).get(mode)
             rows.append([m["name"], mode, f"{m['write_s'] * 1e3:.1f}", f"{blocked * 1e3:.1f}",
                          f"{blocked / m['write_s']:.2f}",
@@ -948,6 +1049,11 @@ def build_parser():
     o.add_argument("--seed", type=int, default=DEFAULTS.seed)
     o.add_argument("--trainer_set", action="append", default=[], metavar="KEY=VALUE",
                    help="change a trainer config key for the trainer runs only (repeatable), e.g. cleanup_interval=0")
+    o.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both loops train")
+    o.add_argument("--precision", default="auto", choices=list(PRECISIONS),
+                   help="both loops; auto: the trainer's default (bf16 autocast on CUDA where supported, fp32 on "
+                        "the CPU)")
+    o.add_argument("--compile", action="store_true", help="torch.compile the model in both loops")
     o.set_defaults(fn=cmd_overhead)
 
     s = sub.add_parser("scaling", parents=[common], formatter_class=fmt,
@@ -982,6 +1088,9 @@ def build_parser():
     ld.add_argument("--rss_epochs", type=int, default=2, help="epochs over each dataset while sampling memory")
     ld.add_argument("--train_steps", type=int, default=3, help="timed training steps (after one warm-up step)")
     ld.add_argument("--threads", type=int, default=rt.cpu_count(), help="intra-op threads of the training step")
+    ld.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the training step runs")
+    ld.add_argument("--preset", default=config.DEFAULT_PREDICTOR_PRESET, choices=list(config.PREDICTOR_PRESETS),
+                    help="the AC predictor the training step trains")
     ld.set_defaults(fn=cmd_loader)
 
     c = sub.add_parser("checkpoint", parents=[common], formatter_class=fmt,
@@ -995,6 +1104,7 @@ def build_parser():
     c.add_argument("--loop_saves", type=int, default=3, help="saves timed inside a real training run; 0 = skip")
     c.add_argument("--loop_save_every", type=int, default=4, help="save_every_iters of that run")
     c.add_argument("--loop_batch", type=int, default=4, help="batch size of that run")
+    c.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the payloads' tensors live")
     c.set_defaults(fn=cmd_checkpoint)
     return p
 

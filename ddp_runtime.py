@@ -830,20 +830,31 @@ def unwrap_state_dict(model: torch.nn.Module) -> dict:
     return inner.state_dict()
 
 
-def host_snapshot(obj: Any, memo: Optional[dict] = None) -> Any:
+def host_snapshot(obj: Any, memo: Optional[dict] = None, pin: bool = False) -> Any:
     """A copy of `obj` (nested dicts, lists, tuples) whose tensors live in fresh host memory, so
     training can go on changing the originals while the copy is written. Tensors that are the same
     view of the same storage (tied weights) stay one tensor in the copy; pass one `memo` to share
-    them across several payloads."""
+    them across several payloads. With `pin`, CUDA tensors are copied into page-locked memory
+    without waiting for each copy, then once for all of them: a pageable copy is staged by the
+    driver and runs several times slower. PyTorch keeps freed page-locked blocks cached for the
+    next save, so the first one pays for pinning and later ones reuse it."""
     memo = {} if memo is None else memo
+    devices = set()
 
     def copy(t: torch.Tensor) -> torch.Tensor:
         key = (t.untyped_storage().data_ptr(), str(t.device), t.storage_offset(), tuple(t.shape), t.stride(),
                t.dtype)
         if key not in memo:
-            memo[key] = t.detach().to("cpu", copy=True)
+            if pin and t.is_cuda:
+                memo[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t.detach(), non_blocking=True)
+                devices.add(t.device)
+            else:
+                memo[key] = t.detach().to("cpu", copy=True)
         return memo[key]
-    return map_tensors(copy, obj)
+    out = map_tensors(copy, obj)
+    for device in devices:  # the copies are queued after the kernels that wrote the tensors
+        torch.cuda.synchronize(device)
+    return out
 
 
 class CheckpointWriter:
@@ -853,13 +864,15 @@ class CheckpointWriter:
     writes the copy, in submission order, while training goes on. Payloads saved at one save point
     (`group`, e.g. the step) share their copies while any of them waits to be written; the next save
     point first waits for the previous one's writes. A copy lives only until it is written: once the
-    queue is empty the writer holds no host memory. A write that failed fails every rank at the next
-    save point or `flush()`, as a synchronous write fails at once. Files appear only complete (temp
-    file, fsync, rename), so a crash mid-write leaves the previous ones.
+    queue is empty the writer holds no host memory (with `pin`, the copies of CUDA tensors are
+    page-locked, and PyTorch keeps those blocks cached for the next save point). A write that failed
+    fails every rank at the next save point or `flush()`, as a synchronous write fails at once. Files
+    appear only complete (temp file, fsync, rename), so a crash mid-write leaves the previous ones.
     """
 
-    def __init__(self, background: bool = True, log: Optional[logging.Logger] = None):
+    def __init__(self, background: bool = True, log: Optional[logging.Logger] = None, pin: bool = False):
         self.background = background
+        self.pin = pin
         self.log = log or logging.getLogger(__name__)
         self.is_writer = not dist.is_initialized() or dist.get_rank() == 0
         self._jobs: "queue.Queue" = queue.Queue()
@@ -891,7 +904,7 @@ class CheckpointWriter:
             self._pending += 1
             memo = self._memo
         try:
-            snapshot = host_snapshot(payload, memo)
+            snapshot = host_snapshot(payload, memo, self.pin)
         except BaseException:
             self._release()
             raise

@@ -60,7 +60,7 @@ HELP = {
             "chain",
     "dataset_size": "synthetic training sequences", "markov_branching": "successors per token in the synthetic chain",
     "val_fraction": "share of the data held out for validation", "test_fraction": "share held out for the test",
-    "num_workers": "DataLoader workers per rank", "pin_memory": "page-locked host batches on CUDA",
+    "num_workers": "DataLoader workers per rank", "pin_memory": "page-locked host memory on CUDA (batches, checkpoint host copies)",
     "data_strategy": "shard: every rank reads its own part; dispatch: rank 0 reads global batches and sends each "
                      "rank its part (for streams)",
     "batch_size": "samples per rank and micro-step", "grad_accum_steps": "micro-steps per optimizer step (no_sync)",
@@ -462,6 +462,33 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, device: to
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), **fast)
 
 
+def amp_dtype_for(cfg: "TrainConfig", device: torch.device) -> Optional[torch.dtype]:
+    """The autocast dtype a run uses (use_amp, amp_dtype), or None for full precision."""
+    if not cfg.use_amp:
+        return None
+    if device.type == "cuda":
+        if cfg.amp_dtype == "fp16" or (cfg.amp_dtype == "auto" and not torch.cuda.is_bf16_supported()):
+            return torch.float16
+        return torch.bfloat16
+    if cfg.amp_dtype == "bf16":
+        return torch.bfloat16
+    return None  # fp16 autocast on the CPU is slow and unscaled: off unless bf16 is asked for
+
+
+# Dense bf16 peak FLOP/s per GPU (datasheet figures), for the model FLOPs utilisation (MFU) metric;
+# the first key contained in the device's name wins, so the PCIe and NVL parts come before "H100".
+PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12, "A100": 312e12,
+                   "L40S": 362e12, "A10": 125e12}
+
+
+def peak_bf16_flops(device: torch.device) -> Optional[float]:
+    """The datasheet peak of this GPU, or None (the CPU, an unknown GPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
 def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: float) -> float:
     """Multiplier of the base LR after `step` optimizer steps."""
     if warmup and step < warmup:
@@ -772,7 +799,7 @@ class DDPTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, self.total_steps, cfg.warmup_steps, cfg.lr_schedule,
                                                 cfg.min_lr_ratio))
-        self.amp_dtype = self._pick_amp()
+        self.amp_dtype = amp_dtype_for(cfg, env.device)
         self.scaler = torch.amp.GradScaler("cuda") if self.amp_dtype == torch.float16 else None
         self.memory = rt.MemoryManager(env.device, self.log, cfg.memory_check_interval,
                                        cfg.cleanup_interval, cfg.max_memory_gb)
@@ -780,7 +807,7 @@ class DDPTrainer:
         self._tb = None
         self._bar = None
         self.ckpt_dir = Path(cfg.checkpoint_dir)
-        self.writer = rt.CheckpointWriter(cfg.async_checkpoint, self.log)
+        self.writer = rt.CheckpointWriter(cfg.async_checkpoint, self.log, pin=pin)
         self.mfu_per_unit = self._mfu_per_unit()
         self.stepped = False  # this process completed a step (DDP has seen a whole backward)
         self._metrics_file = None
@@ -808,18 +835,6 @@ class DDPTrainer:
                       cfg.batch_size * cfg.grad_accum_steps * env.world_size,
                       cfg.batch_size, cfg.grad_accum_steps, env.world_size)
         self.resumed_from = self._resume()  # last: it restores the RNG streams set-up consumed
-
-    def _pick_amp(self) -> Optional[torch.dtype]:
-        cfg, dev = self.cfg, self.env.device
-        if not cfg.use_amp:
-            return None
-        if dev.type == "cuda":
-            if cfg.amp_dtype == "fp16" or (cfg.amp_dtype == "auto" and not torch.cuda.is_bf16_supported()):
-                return torch.float16
-            return torch.bfloat16
-        if cfg.amp_dtype == "bf16":
-            return torch.bfloat16
-        return None  # fp16 autocast on the CPU is slow and unscaled: off unless bf16 is asked for
 
     def _autocast(self):
         if self.amp_dtype is None:
@@ -1580,17 +1595,11 @@ class DDPTrainer:
         return (rec.get("type") == "val" and rec.get("step") == self.global_step
                 and self.last_val_step != self.global_step)
 
-    # Dense bf16 peak FLOP/s per GPU, for the model FLOPs utilisation (MFU) metric.
-    PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
-
     def _mfu_per_unit(self) -> Optional[float]:
         """Model FLOPs utilisation of one GPU per global token per second, for models that count
         their FLOPs on a GPU whose peak we know; None otherwise."""
-        if self.env.device.type != "cuda" or not hasattr(self.raw_model, "flops_per_token"):
-            return None
-        name = torch.cuda.get_device_name(self.env.device)
-        peak = next((v for k, v in self.PEAK_BF16_FLOPS.items() if k in name), None)
-        if peak is None:
+        peak = peak_bf16_flops(self.env.device)
+        if peak is None or not hasattr(self.raw_model, "flops_per_token"):
             return None
         return self.raw_model.flops_per_token() / self.env.world_size / peak
 

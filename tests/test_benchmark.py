@@ -57,6 +57,13 @@ def test_overhead(tmp_path):
     assert out["meets_target"] == (out["ratio"] >= out["target_ratio"]) and out["target_ratio"] == 0.97
     # same model, seed, batches and schedule: both loops land on nearly the same loss
     assert abs(out["bare_final_loss"] - out["trainer_final_loss"]) < 0.05
+    assert out["config"]["device"] == "cpu" and out["config"]["autocast"] is None and "gpu" not in out["env"]
+    positive(out["flops_per_step"])
+    for name, rate in (("bare", out["bare_steps_per_s"]), ("trainer", out["trainer_steps_per_s"])):
+        loop = out["loops"][name]
+        assert close(loop["steps_per_s"], rate) and close(loop["step_ms"], 1000 / rate)
+        assert close(loop["samples_per_s"], 4 * rate) and close(loop["tokens_per_s"], 4 * 16 * rate)
+        assert loop["mfu"] is None and loop["peak_memory_gib"] is None  # CPU: no known peak, no GPU memory
 
 
 @pytest.mark.multi
