@@ -249,12 +249,13 @@ def add_model_flags(p, batch_size=DEFAULTS.batch_size):
 # overhead: DDPTrainer vs a bare loop, same model, batches, optimizer and threads
 
 
-def bare_loop(model, raw_model, loader, total, cfg, device=torch.device("cpu"), timed_from=None):
+def bare_loop(model, raw_model, loader, total, cfg, device=torch.device("cpu"), timed_from=None, read_loss=False):
     """A plain training loop over `loader`: forward, mean cross-entropy, backward, the trainer's clipping,
     AdamW and LR schedule. `model` may be a DDP wrapper of `raw_model`. Returns end-of-step times and the
     last loss. On CUDA it takes the trainer's fast paths (its autocast dtype, fused AdamW, non-blocking copies
     from pinned batches) and waits for the device only at the ends of the timed window, after step
-    `timed_from` and the last one: a bare loop at its fastest, with no host sync per step."""
+    `timed_from` and the last one: a bare loop at its fastest, with no host sync per step, unless `read_loss`
+    (loss.item() after every step, as a loop that logs every step does)."""
     amp = amp_dtype_for(cfg, device)
     if amp == torch.float16:
         raise SystemExit("error: the bare loop has no GradScaler, so it runs bf16 or fp32 only: pass --precision "
@@ -277,6 +278,8 @@ def bare_loop(model, raw_model, loader, total, cfg, device=torch.device("cpu"), 
         opt.step()
         opt.zero_grad(set_to_none=True)
         sched.step()
+        if read_loss:
+            loss.item()
         if step + 1 in (timed_from, total):
             sync(device)
         times.append(time.perf_counter())
@@ -290,7 +293,7 @@ def build_lm(cfg):
     return CausalLM(cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.seq_len, cfg.dropout)
 
 
-def bare_run(cfg, data, warmup):
+def bare_run(cfg, data, warmup, read_loss=False):
     """The bare loop in this process over the same DataLoader batches the trainer sees, on the trainer's device
     (compiled if the trainer's config compiles)."""
     cfg = TrainConfig.from_dict(cfg)
@@ -299,7 +302,7 @@ def bare_run(cfg, data, warmup):
     model = torch.compile(raw) if cfg.compile else raw
     loader = rt.build_dataloader(data.train, cfg.batch_size, train=True, rank=0, world_size=1, seed=cfg.seed,
                                  pin_memory=cfg.pin_memory and device.type == "cuda")
-    return bare_loop(model, raw, loader, cfg.max_steps, cfg, device, timed_from=warmup)
+    return bare_loop(model, raw, loader, cfg.max_steps, cfg, device, timed_from=warmup, read_loss=read_loss)
 
 
 def trainer_run(args, cfg, run_dir):
@@ -354,7 +357,8 @@ def cmd_overhead(args):
                                grad_clip=DEFAULTS.grad_clip, memory_check_interval=DEFAULTS.memory_check_interval,
                                cleanup_interval=DEFAULTS.cleanup_interval, log_interval=DEFAULTS.log_interval),
                           **cfg, autocast=str(amp).replace("torch.", "") if amp else None, threads=args.threads,
-                          warmup=args.warmup, steps=args.steps, repeats=args.repeats, trainer_changed=changed),
+                          warmup=args.warmup, steps=args.steps, repeats=args.repeats, trainer_changed=changed,
+                          bare_read_loss=args.bare_read_loss),
            "timed": (f"steps {args.warmup + 1}..{total} of each run: from the end of step {args.warmup} to the end of "
                      f"step {total}, so data loading and everything the loop does per step is included; set-up, "
                      f"warm-up, the final validation and checkpoint are not. Trainer step ends come from the "
@@ -365,7 +369,7 @@ def cmd_overhead(args):
     with workdir(args.dir) as tmp:
         for rep in range(args.repeats):
             reset_peak(device)
-            t, bare_loss = bare_run(base_cfg, data, args.warmup)
+            t, bare_loss = bare_run(base_cfg, data, args.warmup, args.bare_read_loss)
             bare.append(steady_rate(t, args.warmup))
             peaks["bare"].append(peak_gib(device))
             gc.collect()
@@ -1054,6 +1058,9 @@ def build_parser():
                    help="both loops; auto: the trainer's default (bf16 autocast on CUDA where supported, fp32 on "
                         "the CPU)")
     o.add_argument("--compile", action="store_true", help="torch.compile the model in both loops")
+    o.add_argument("--bare_read_loss", action="store_true",
+                   help="the bare loop reads its loss after every step (loss.item()), as a loop that logs every step "
+                        "does: on CUDA one host sync per step, as the trainer has")
     o.set_defaults(fn=cmd_overhead)
 
     s = sub.add_parser("scaling", parents=[common], formatter_class=fmt,

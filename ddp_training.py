@@ -1327,6 +1327,8 @@ class DDPTrainer:
         finally:
             self.writer.close(self.cfg.dist_timeout)  # a failing run still completes the writes it started
             stop_signal.restore()
+            for loader in (self.train_loader, self.val_loader, self.test_loader):
+                rt.stop_workers(loader)
             if self._bar is not None:
                 self._bar.close()
             if self._metrics_file is not None:

@@ -79,7 +79,8 @@ def test_amp_step_is_close_to_fp32(tmp_path, no_launch_env, monkeypatch, amp_dty
 
 def test_fp16_overflowing_first_steps_are_skipped_then_it_trains(tmp_path, no_launch_env):
     """With GradScaler's default first scale the scaled gradients overflow fp16: those steps are skipped (the
-    weights untouched, the scale halved) without counting as bad steps, and training goes on."""
+    weights untouched, the scale halved) without counting as bad steps, and training goes on. (The scaler
+    may overflow again later, after it grew; on an H100 steps 1, 2, 3 and 7 were skipped.)"""
     cfg = dict(hidden_size=32, num_layers=2, num_heads=2, seq_len=32, dataset_size=1024, batch_size=16,
                max_steps=40, learning_rate=1e-2, warmup_steps=5, log_interval=10, val_interval=0, max_bad_steps=2,
                device="cuda", amp_dtype="fp16", resume="none", log_dir=str(tmp_path / "logs"),
@@ -88,7 +89,7 @@ def test_fp16_overflowing_first_steps_are_skipped_then_it_trains(tmp_path, no_la
     records = metrics(tmp_path / "logs", "train")
     skipped = [r["step"] for r in records if r["skipped"]]
     assert summary["status"] == "completed" and summary["steps"] == 40
-    assert 1 <= summary["skipped_steps"] == len(skipped) <= 10 and skipped == list(range(1, len(skipped) + 1))
+    assert skipped[:1] == [1] and summary["skipped_steps"] == len(skipped) <= 10
     assert records[-1]["loss"] < 0.6 * records[0]["loss"]
 
 

@@ -122,6 +122,23 @@ def test_compiled_model_trains_like_the_eager_one(tmp_path, no_launch_env):
     assert not any("_orig_mod" in k for k in weights)  # saved without torch.compile's wrapper prefix
 
 
+@pytest.mark.multi  # DataLoader worker processes
+def test_dataloader_workers_are_stopped_when_train_returns(tmp_path, no_launch_env):
+    """Persistent workers of the train, validation and test loaders end with the run. Left to the garbage
+    collector with the trainer, each lingered and was killed only after a 5 s timeout."""
+    import psutil
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    cfg = dict(QUICK, max_steps=12, val_interval=6, num_workers=2, resume="none", log_dir=str(tmp_path / "logs"))
+    trainer = DDPTrainer(rank=0, world_size=1, config=cfg)
+    summary = trainer.train()
+    assert summary["status"] == "completed" and summary["steps"] == 12 and summary["test_loss"] is not None
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
+            and p.status() != psutil.STATUS_ZOMBIE]
+    assert left == [], [(p.pid, p.cmdline()[:3]) for p in left]
+    assert all(getattr(ld, "_iterator", None) is None
+               for ld in (trainer.train_loader, trainer.val_loader, trainer.test_loader))
+
+
 def test_flops_per_token_matches_a_measured_count():
     from torch.utils.flop_counter import FlopCounterMode
     m = CausalLM(vocab_size=256, hidden_size=128, num_layers=4, num_heads=4, seq_len=64)
