@@ -68,8 +68,3 @@ PREDICTOR_PRESETS = {
 }
 # preset used when none is named
 DEFAULT_PREDICTOR_PRESET = "small"
-# DataLoader workers per rank when training on CUDA and --num_workers is not given (at most the CPUs per rank).
-# On an H100 the vjepa2_ac step (137 ms, batch 4) consumes 29 samples/s; one worker reads 124 cold, four 300
-# (BENCHMARKS.md, GPU), and without workers every batch is read inside the step. On the CPU the step is slow
-# and the cores are the step's: no workers.
-CUDA_NUM_WORKERS = 4

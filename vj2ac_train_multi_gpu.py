@@ -236,9 +236,7 @@ def build_parser():
     p.add_argument("--validation_data_dir", help="validation .npz files (required)")
     p.add_argument("--num_epochs", type=int, default=1, help=d)
     p.add_argument("--batch_size", "--batch-size", type=int, default=4, help="trajectories per rank and step" + d)
-    p.add_argument("--num_workers", type=int,
-                   help=f"DataLoader workers per rank (default: {config.CUDA_NUM_WORKERS} on CUDA, at most the CPUs "
-                        f"per rank; 0 on the CPU)")
+    p.add_argument("--num_workers", type=int, default=0, help="DataLoader workers per rank" + d)
     p.add_argument("--save_every_iters", type=int, default=500, help="vjepa2_step_N.pt every N steps; 0 = off" + d)
     p.add_argument("--save_every_epochs", type=int, default=0, help="vjepa2_epoch_N.pt every N epochs; 0 = off" + d)
     p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda if available")
@@ -290,8 +288,6 @@ def parse_args(argv=None):
             setattr(args, key, value)
     args.lr = PRESET_LR[args.preset] if args.lr is None else args.lr
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.num_workers is None:
-        args.num_workers = config.CUDA_NUM_WORKERS if args.device == "cuda" else 0
     if args.evaluate:
         if not args.validation_data_dir:
             parser.error("--evaluate needs --validation_data_dir")

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 
 from conftest import REPO, background, clean_env, make_vj2_data, metrics, run, torchrun, wait_for_step
 
-import config
 import create_synthetic_data as gen
 import ddp_runtime as rt
 import vj2ac_train_multi_gpu as vj2
@@ -156,19 +155,6 @@ def test_cli_presets_test_mode_and_trainer_config(no_launch_env):
     assert cfg["checkpoint_dir"] == "checkpoints/vj2ac_test" and cfg["log_dir"] == cfg["checkpoint_dir"]
     assert vj2.train_config(vj2.parse_args(data))["checkpoint_dir"] == "checkpoints/vj2ac"
     assert vj2.train_config(vj2.parse_args(data + ["--run-name", "b"]))["checkpoint_dir"] == "checkpoints/b"
-
-
-def test_cli_data_workers_default_by_device(no_launch_env, monkeypatch):
-    """No workers on the CPU; on CUDA config.CUDA_NUM_WORKERS, so batches are read while the GPU steps;
-    an explicit --num_workers wins either way."""
-    data = ["--processed_data_dir", "t", "--validation_data_dir", "v"]
-    assert vj2.parse_args(data + ["--device", "cpu"]).num_workers == 0
-    assert vj2.parse_args(data + ["--device", "cpu", "--num_workers", "2"]).num_workers == 2
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    args = vj2.parse_args(data)
-    assert args.device == "cuda" and args.num_workers == config.CUDA_NUM_WORKERS == 4
-    assert vj2.train_config(args)["num_workers"] == 4
-    assert vj2.parse_args(data + ["--num_workers", "0"]).num_workers == 0
 
 
 @pytest.mark.parametrize("argv,message", [
