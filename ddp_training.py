@@ -60,7 +60,8 @@ HELP = {
             "chain",
     "dataset_size": "synthetic training sequences", "markov_branching": "successors per token in the synthetic chain",
     "val_fraction": "share of the data held out for validation", "test_fraction": "share held out for the test",
-    "num_workers": "DataLoader workers per rank", "pin_memory": "page-locked host memory on CUDA (batches, checkpoint host copies)",
+    "num_workers": "DataLoader workers per rank",
+    "pin_memory": "page-locked host memory on CUDA (batches, checkpoint host copies)",
     "data_strategy": "shard: every rank reads its own part; dispatch: rank 0 reads global batches and sends each "
                      "rank its part (for streams)",
     "batch_size": "samples per rank and micro-step", "grad_accum_steps": "micro-steps per optimizer step (no_sync)",

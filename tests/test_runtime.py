@@ -531,6 +531,23 @@ def test_rng_state_restores_after_loading_onto_cuda(tmp_path):
     assert draws() + (torch.rand(3, device="cuda").tolist(),) == expected
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pinned_host_snapshot_of_cuda_tensors_is_a_finished_copy(tmp_path):
+    """The writer's page-locked copies are queued without blocking and waited for once: the copy must hold the
+    values of the moment it was taken, tied tensors stay one, and CPU tensors are copied as before."""
+    weight = torch.randn(1024, 1024, device="cuda")
+    payload = {"model": {"w": weight, "tied": weight}, "step": 3, "cpu": torch.arange(4)}
+    copy = rt.host_snapshot(payload, pin=True)
+    expected = weight.cpu()
+    weight.mul_(2)  # training goes on changing the original
+    w = copy["model"]["w"]
+    assert w.device.type == "cpu" and w.is_pinned() and torch.equal(w, expected)
+    assert copy["model"]["tied"] is w and copy["step"] == 3 and not copy["cpu"].is_pinned()
+    path = rt.atomic_save(copy, tmp_path / "snap.pt")
+    assert torch.equal(rt.load_checkpoint(path)["model"]["w"], expected)
+
+
 class Boom:
     def __reduce__(self):
         return (os.system, ("echo pwned > boom.txt",))
