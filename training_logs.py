@@ -11,8 +11,9 @@ A run directory is whatever `log_dir` a trainer wrote to: `metrics.jsonl` (one J
 
 Summary columns: total_time_s is the time of every session of the run added up (a resumed run has one
 session per launch; start-up and the time between launches are not counted), avg_samples_per_s is the
-samples trained over that time (so it includes validation and checkpoints). A run whose metrics.jsonl has
-no complete record yet (it has just started) is a row with status "no records yet".
+samples trained over that time (so it includes validation and checkpoints), mfu is the median of the
+steps' model FLOPs utilisation (CUDA runs of models that count their FLOPs; "-" otherwise). A run whose
+metrics.jsonl has no complete record yet (it has just started) is a row with status "no records yet".
 
 Plot layout: the default loss-curve figure has one row per run (train loss, val loss, learning rate on a
 second y axis); --compare puts every run in one axes instead. A --metrics grid has one subplot per metric
@@ -28,6 +29,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +41,7 @@ NOT_METRICS = {"type", "step", "epoch", "time", "steps_per_epoch"}
 # Every memory peak a trainer may log; "peak memory" is the largest of them.
 PEAK_KEYS = ("cpu_peak_rss_gb", "peak_rss_gb", "cuda_peak_gb")
 SUMMARY_FIELDS = ("name", "status", "steps", "sessions", "final_val_loss", "best_val_loss", "test_loss",
-                  "total_time_s", "avg_samples_per_s", "world_size", "peak_mem_gb")
+                  "total_time_s", "avg_samples_per_s", "mfu", "world_size", "peak_mem_gb")
 NO_RECORDS = "no records yet"
 
 
@@ -271,6 +273,7 @@ def summarize(run: Run) -> dict:
     world = s.get("world_size") or (len(list(run.path.glob("rank_*.log"))) or None)
     seconds = total_time(run)
     rates = _finite(r.get("samples_per_s") for r in run.train)
+    mfus = _finite(r.get("mfu") for r in run.train)
     if run.sessions == 1 and s.get("samples_per_s") is not None:
         rate = s["samples_per_s"]  # the trainer's own count over this one session
     elif isinstance(s.get("global_batch"), int) and seconds:
@@ -289,6 +292,7 @@ def summarize(run: Run) -> dict:
         "test_loss": s.get("test_loss"),
         "total_time_s": seconds,
         "avg_samples_per_s": rate,
+        "mfu": statistics.median(mfus) if mfus else None,
         "world_size": world,
         "peak_mem_gb": max(peaks) if peaks else None,
     }
@@ -302,6 +306,8 @@ def _fmt(key: str, v) -> str:
             return f"{v:.4f}"
         if key == "peak_mem_gb":
             return f"{v:.2f}"
+        if key == "mfu":
+            return f"{v:.3f}"
         return f"{v:.1f}"
     return str(v)
 
@@ -319,7 +325,9 @@ def format_summaries(rows: list, fmt: str = "one-line") -> str:
             lines.append(f"{f['name']}: {f['status']}, {f['steps']} steps, val {f['final_val_loss']} "
                          f"(best {f['best_val_loss']}), test {f['test_loss']}, {f['total_time_s']} s over "
                          f"{f['sessions']} session{'s' if r['sessions'] != 1 else ''}, "
-                         f"{f['avg_samples_per_s']} samples/s, world {f['world_size']}, peak {f['peak_mem_gb']} GB")
+                         f"{f['avg_samples_per_s']} samples/s"
+                         + (f", MFU {f['mfu']}" if r["mfu"] is not None else "")
+                         + f", world {f['world_size']}, peak {f['peak_mem_gb']} GB")
         return "\n".join(lines)
     if fmt == "table":
         cells = [[_fmt(k, r[k]) for k in SUMMARY_FIELDS] for r in rows]

@@ -364,3 +364,21 @@ def test_summary_of_a_resumed_run_totals_its_sessions(tmp_path, capsys):
     assert "| sessions |" in header and "| total_time_s |" in header and "| avg_samples_per_s |" in header
     assert tl.main(["summary", str(d)]) == 0
     assert "11.5 s over 2 sessions" in capsys.readouterr().out
+
+
+def test_summary_reports_the_median_mfu_of_cuda_runs(tmp_path, capsys):
+    """A CUDA run's train records carry mfu: the summary's mfu column is their median; a CPU run's is empty."""
+    recs = train_recs(range(1, 6), spe=100)
+    for r, mfu in zip(recs, (0.05, 0.26, 0.24, 0.25, 0.27)):  # the first step pays for warm-up
+        r["mfu"] = mfu
+    gpu = write_run(tmp_path / "gpu", recs)
+    assert tl.summarize(tl.load_run(gpu))["mfu"] == pytest.approx(0.25)
+    cpu = write_run(tmp_path / "cpu", train_recs(range(1, 6), spe=100))
+    assert tl.summarize(tl.load_run(cpu))["mfu"] is None
+    assert tl.main(["summary", str(gpu), str(cpu)]) == 0
+    gpu_line, cpu_line = capsys.readouterr().out.strip().splitlines()
+    assert "MFU 0.250" in gpu_line and "MFU" not in cpu_line
+    assert tl.main(["summary", str(gpu), str(cpu), "--format", "table"]) == 0
+    header, _, gpu_row, cpu_row = capsys.readouterr().out.strip().splitlines()
+    cells = lambda line: dict(zip(tl.SUMMARY_FIELDS, (c.strip() for c in line.strip("|").split("|"))))  # noqa: E731
+    assert " mfu |" in header and cells(gpu_row)["mfu"] == "0.250" and cells(cpu_row)["mfu"] == "-"
