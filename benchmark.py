@@ -732,7 +732,7 @@ def consumer_rate(args, data_dir):
             f"{ds.geometry}, {device.type}, autocast {str(amp).replace('torch.', '') if amp else None}")
     opt = build_optimizer(model, 1e-3, 0.04, device)
     times = []
-    for _ in range(1 + args.train_steps):  # one warm-up step
+    for _ in range(args.train_warmup + args.train_steps):
         start = time.perf_counter()
         with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
             out = loss_fn(model, batch)
@@ -741,9 +741,9 @@ def consumer_rate(args, data_dir):
         opt.zero_grad(set_to_none=True)
         sync(device)
         times.append(time.perf_counter() - start)
-    step_s = median(times[1:])
+    step_s = median(times[args.train_warmup:])
     return {"model": name, "batch_size": args.batch_size, "threads": torch.get_num_threads(), "step_s": step_s,
-            "samples_per_s": args.batch_size / step_s, "step_s_runs": times[1:], "device": device.type,
+            "samples_per_s": args.batch_size / step_s, "step_s_runs": times[args.train_warmup:], "device": device.type,
             "peak_memory_gib": peak_gib(device)}
 
 
@@ -775,14 +775,15 @@ def cmd_loader(args):
            "config": dict(geometry, dtype="float16", batch_size=args.batch_size, workers=workers, device=args.device,
                           preset=args.preset,
                           files_1x=args.files, files_3x=3 * args.files, trajectories_per_file=args.traj_per_file,
-                          max_open_files=args.max_open_files, rss_epochs=args.rss_epochs, threads=args.threads),
+                          max_open_files=args.max_open_files, rss_epochs=args.rss_epochs, threads=args.threads,
+                          train_warmup=args.train_warmup, train_steps=args.train_steps),
            "timed": ("loader: epochs of the training loader (rt.build_dataloader, shuffled, drop_last) in a fresh "
                      "process per worker count, each timed from its first batch to its end (worker start-up and the "
                      "first batch excluded); 'cold' right after evicting the files from the page cache "
                      "(posix_fadvise DONTNEED), 'warm' the median of the later epochs. Memory: sampled every 20 ms "
                      "over rss_epochs epochs of the 1x dataset, then of the 3x dataset, in that process before the "
                      "rate epochs, a loader per phase. step: forward + backward + AdamW step of one batch, median "
-                     "after one warm-up step, in this process")}
+                     f"of train_steps after {args.train_warmup} warm-up step(s), in this process")}
     import create_synthetic_data
     with workdir(args.dir) as tmp:
         start = time.perf_counter()
@@ -1093,7 +1094,9 @@ def build_parser():
     ld.add_argument("--max_open_files", type=int, help="the dataset's map LRU; None: the dataset's own default")
     ld.add_argument("--warm_epochs", type=int, default=2, help="timed epochs after the cold one")
     ld.add_argument("--rss_epochs", type=int, default=2, help="epochs over each dataset while sampling memory")
-    ld.add_argument("--train_steps", type=int, default=3, help="timed training steps (after one warm-up step)")
+    ld.add_argument("--train_steps", type=int, default=3, help="timed training steps, after --train_warmup")
+    ld.add_argument("--train_warmup", type=int, default=1,
+                    help="untimed training steps first (on a GPU the first few steps still pick kernels: take more)")
     ld.add_argument("--threads", type=int, default=rt.cpu_count(), help="intra-op threads of the training step")
     ld.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the training step runs")
     ld.add_argument("--preset", default=config.DEFAULT_PREDICTOR_PRESET, choices=list(config.PREDICTOR_PRESETS),
