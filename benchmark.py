@@ -349,6 +349,11 @@ def cmd_overhead(args):
                val_interval=0, resume="none", **PRECISIONS[args.precision])
     data = synthetic_lm_data(TrainConfig.from_dict(cfg))
     changed = parse_settings(args.trainer_set)
+    same_work = sorted(set(changed) & (set(lm_config(args)) | {"batch_size", "grad_accum_steps", "device", "compile",
+                                                               "use_amp", "amp_dtype"}))
+    if same_work:
+        raise SystemExit(f"error: --trainer_set {', '.join(same_work)} would change the work of a step, so the two "
+                         f"loops would not compare; use the flags, which set both loops")
     base_cfg, cfg = cfg, dict(cfg, **changed)
     TrainConfig.from_dict(cfg)  # an unknown key fails here, before any run
     amp = amp_dtype_for(TrainConfig.from_dict(base_cfg), device)
@@ -768,6 +773,8 @@ def link_subset(files, dest):
 def cmd_loader(args):
     set_threads(args.threads)
     check_device(args.device)
+    if args.train_steps < 1 or args.train_warmup < 0:
+        raise SystemExit("error: --train_steps must be >= 1 and --train_warmup >= 0")
     geometry = dict(steps=args.steps, patches=args.patches, embed_dim=args.embed_dim,
                     actions_per_step=args.actions_per_step, channels=args.channels)
     workers = [int(w) for w in args.workers.split(",")]
@@ -880,6 +887,9 @@ def save_load(obj, path, repeats, device):
                 os.fsync(f.fileno())
     res = {"snapshot_s": timed(lambda: rt.host_snapshot(obj), repeats)}
     if device.type == "cuda":  # the trainer's default there: page-locked copies (pin_memory)
+        empty = getattr(torch.accelerator, "empty_host_cache", None)  # torch >= 2.13; before, the first in the process
+        if empty:
+            empty()
         res["snapshot_pinned_first_s"] = timed(lambda: rt.host_snapshot(obj, pin=True), 1)
         res["snapshot_pinned_s"] = timed(lambda: rt.host_snapshot(obj, pin=True), repeats)
     res.update({
@@ -960,8 +970,10 @@ def cmd_checkpoint(args):
                      "DDPTrainer run with save_every_iters, async and sync: the save_checkpoint + save_state calls "
                      "of a save (median), and the step period with a save minus the median period"
                      + (". On CUDA the payloads' tensors are on the GPU; snapshot_pinned: the host copy into "
-                        "page-locked memory (the trainer's default there, pin_memory), first call and median of "
-                        "the later ones; blocked_s and in_loop async are pinned, blocked_pageable_s and in_loop "
+                        "page-locked memory (the trainer's default there, pin_memory), first call (after emptying "
+                        "PyTorch's page-locked cache where torch has torch.accelerator.empty_host_cache; else it may "
+                        "reuse blocks of earlier copies) and median of the later ones; blocked_s and in_loop async "
+                        "are pinned, blocked_pageable_s and in_loop "
                         "async_pageable are not" if cuda else ""))}
     models = []
     with workdir(args.dir) as tmp:

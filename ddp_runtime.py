@@ -848,8 +848,9 @@ def host_snapshot(obj: Any, memo: Optional[dict] = None, pin: bool = False) -> A
     view of the same storage (tied weights) stay one tensor in the copy; pass one `memo` to share
     them across several payloads. With `pin`, CUDA tensors are copied into page-locked memory
     without waiting for each copy, then once for all of them: a pageable copy is staged by the
-    driver and runs several times slower. PyTorch keeps freed page-locked blocks cached for the
-    next save, so the first one pays for pinning and later ones reuse it."""
+    driver and runs several times slower. PyTorch keeps freed page-locked blocks cached (each
+    rounded up to a power of two) for the next save, so the first one pays for pinning and later
+    ones reuse it; see CheckpointWriter for how much it may pin."""
     memo = {} if memo is None else memo
     devices = set()
 
@@ -863,10 +864,29 @@ def host_snapshot(obj: Any, memo: Optional[dict] = None, pin: bool = False) -> A
             else:
                 memo[key] = t.detach().to("cpu", copy=True)
         return memo[key]
-    out = map_tensors(copy, obj)
-    for device in devices:  # the copies are queued after the kernels that wrote the tensors
-        torch.cuda.synchronize(device)
-    return out
+    try:
+        return map_tensors(copy, obj)
+    finally:  # the copies are queued after the kernels that wrote the tensors; none is left running
+        for device in devices:
+            torch.cuda.synchronize(device)
+
+
+def cuda_bytes(obj: Any) -> int:
+    """Bytes of the CUDA tensors in `obj`."""
+    total = 0
+
+    def add(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += t.nbytes if t.is_cuda else 0
+        return t
+    map_tensors(add, obj)
+    return total
+
+
+# Page-locked memory cannot be swapped out, and PyTorch keeps it cached after a save with each block
+# rounded up to a power of two: the writer pins a payload only while twice its bytes stay under this
+# share of the host's memory, and copies larger ones to pageable memory.
+PIN_MAX_HOST_FRACTION = 0.25
 
 
 class CheckpointWriter:
@@ -877,7 +897,8 @@ class CheckpointWriter:
     (`group`, e.g. the step) share their copies while any of them waits to be written; the next save
     point first waits for the previous one's writes. A copy lives only until it is written: once the
     queue is empty the writer holds no host memory (with `pin`, the copies of CUDA tensors are
-    page-locked, and PyTorch keeps those blocks cached for the next save point). A write that failed
+    page-locked where PIN_MAX_HOST_FRACTION allows, and PyTorch keeps those blocks cached for the next
+    save point; if pinning fails, the writer copies to pageable memory from then on). A write that failed
     fails every rank at the next save point or `flush()`, as a synchronous write fails at once. Files
     appear only complete (temp file, fsync, rename), so a crash mid-write leaves the previous ones.
     """
@@ -885,6 +906,7 @@ class CheckpointWriter:
     def __init__(self, background: bool = True, log: Optional[logging.Logger] = None, pin: bool = False):
         self.background = background
         self.pin = pin
+        self._told_pageable = False
         self.log = log or logging.getLogger(__name__)
         self.is_writer = not dist.is_initialized() or dist.get_rank() == 0
         self._jobs: "queue.Queue" = queue.Queue()
@@ -916,7 +938,7 @@ class CheckpointWriter:
             self._pending += 1
             memo = self._memo
         try:
-            snapshot = host_snapshot(payload, memo, self.pin)
+            snapshot = self._snapshot(payload, memo)
         except BaseException:
             self._release()
             raise
@@ -924,6 +946,23 @@ class CheckpointWriter:
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name="checkpoint-writer", daemon=True)
             self._thread.start()
+
+    def _snapshot(self, payload: Any, memo: dict) -> Any:
+        if not self.pin:
+            return host_snapshot(payload, memo)
+        size, limit = cuda_bytes(payload), PIN_MAX_HOST_FRACTION * psutil.virtual_memory().total
+        if 2 * size > limit:
+            if not self._told_pageable:
+                self._told_pageable = True
+                self.log.info("checkpoint payload of %.1f GiB: copied to pageable memory (pinning it could hold "
+                              "twice that, over %.0f%% of host memory)", size / 2**30, 100 * PIN_MAX_HOST_FRACTION)
+            return host_snapshot(payload, memo)
+        try:
+            return host_snapshot(payload, memo, pin=True)
+        except RuntimeError as exc:  # page-locked memory refused (host memory, ulimit -l): pageable still works
+            self.log.warning("page-locked checkpoint copies failed (%s); copying to pageable memory from now on", exc)
+            self.pin = False
+            return host_snapshot(payload, memo)
 
     def _release(self) -> None:
         """One copy written (or abandoned); after the last, no shared copy outlives its write."""

@@ -1328,8 +1328,7 @@ class DDPTrainer:
         finally:
             self.writer.close(self.cfg.dist_timeout)  # a failing run still completes the writes it started
             stop_signal.restore()
-            for loader in (self.train_loader, self.val_loader, self.test_loader):
-                rt.stop_workers(loader)
+            self._stop_loader_workers()
             if self._bar is not None:
                 self._bar.close()
             if self._metrics_file is not None:
@@ -1339,6 +1338,14 @@ class DDPTrainer:
             rt.teardown_distributed(synchronize=clean)
             rt.close_logger(self.log)
         return summary
+
+    def _stop_loader_workers(self) -> None:
+        """In train()'s cleanup: a failure here is reported, never raised over the run's own outcome."""
+        for loader in (self.train_loader, self.val_loader, self.test_loader):
+            try:
+                rt.stop_workers(loader)
+            except Exception as exc:  # noqa: BLE001 -- the workers are daemons: they end with this process
+                self.log.warning("could not stop the DataLoader workers: %s: %s", type(exc).__name__, exc)
 
     def _finished_run(self) -> Optional[dict]:
         """The summary of a run of this length that finished in this run dir (its COMPLETED marker, which

@@ -12,6 +12,7 @@ import weakref
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -398,6 +399,44 @@ def test_host_snapshot_copies_tensors_and_keeps_state_dict_versions():
     assert torch.equal(snap["running_mean"], torch.zeros(3)) and not torch.equal(sd["running_mean"], torch.zeros(3))
 
 
+def test_writer_pins_within_its_host_memory_share_and_falls_back_to_pageable(tmp_path, monkeypatch, caplog):
+    """With pin (CUDA), a payload is copied to page-locked memory only while twice its CUDA bytes fit in
+    PIN_MAX_HOST_FRACTION of host memory; a failed pinned copy turns pinning off and the save still happens."""
+    calls = []
+    real = rt.host_snapshot
+
+    def snapshot(obj, memo=None, pin=False):
+        calls.append(pin)
+        if pin and fail_pinning:
+            raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+        return real(obj, memo)
+    monkeypatch.setattr(rt, "host_snapshot", snapshot)
+    host = psutil.virtual_memory().total
+    writer = rt.CheckpointWriter(background=True, pin=True)
+    fail_pinning = False
+    monkeypatch.setattr(rt, "cuda_bytes", lambda obj: int(rt.PIN_MAX_HOST_FRACTION * host / 2) - 1)
+    writer.save({"w": torch.ones(2)}, tmp_path / "a.pt", group=1)
+    monkeypatch.setattr(rt, "cuda_bytes", lambda obj: int(rt.PIN_MAX_HOST_FRACTION * host / 2) + 1)
+    with caplog.at_level(logging.INFO):
+        writer.save({"w": torch.ones(2)}, tmp_path / "b.pt", group=2)
+        writer.save({"w": torch.ones(2)}, tmp_path / "c.pt", group=3)
+    assert calls == [True, False, False] and writer.pin
+    assert sum("copied to pageable memory" in r.message for r in caplog.records) == 1  # said once
+    monkeypatch.setattr(rt, "cuda_bytes", lambda obj: 0)
+    fail_pinning = True
+    writer.save({"w": torch.full((2,), 7.0)}, tmp_path / "d.pt", group=4)
+    writer.save({"w": torch.ones(2)}, tmp_path / "e.pt", group=5)
+    writer.flush()
+    assert calls == [True, False, False, True, False, False] and not writer.pin
+    assert any("page-locked checkpoint copies failed" in r.message for r in caplog.records)
+    assert torch.equal(rt.load_checkpoint(tmp_path / "d.pt")["w"], torch.full((2,), 7.0))
+    assert writer.close() is None
+
+
+def test_cuda_bytes_counts_only_cuda_tensors():
+    assert rt.cuda_bytes({"a": torch.ones(4), "b": [torch.zeros(2, dtype=torch.float64)], "n": 3}) == 0
+
+
 def test_background_writer_gives_up_on_a_write_that_hangs(tmp_path, monkeypatch):
     release = threading.Event()
     monkeypatch.setattr(rt, "atomic_save", lambda obj, path: release.wait(30))
@@ -534,15 +573,21 @@ def test_rng_state_restores_after_loading_onto_cuda(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_pinned_host_snapshot_of_cuda_tensors_is_a_finished_copy(tmp_path):
-    """The writer's page-locked copies are queued without blocking and waited for once: the copy must hold the
-    values of the moment it was taken, tied tensors stay one, and CPU tensors are copied as before."""
-    weight = torch.randn(1024, 1024, device="cuda")
+    """The writer's page-locked copies are queued without blocking and waited for once: when host_snapshot
+    returns, the copy holds the values of that moment, even of a tensor still being written by queued work;
+    tied tensors stay one, and CPU tensors are copied as before."""
+    source = torch.randn(1024, 1024, device="cuda")
+    expected = source.cpu()
+    weight = torch.zeros_like(source)
+    torch.cuda._sleep(10**9)  # ~0.5 s of queued device work before the write that the copy must wait for
+    weight.copy_(source)
     payload = {"model": {"w": weight, "tied": weight}, "step": 3, "cpu": torch.arange(4)}
     copy = rt.host_snapshot(payload, pin=True)
-    expected = weight.cpu()
-    weight.mul_(2)  # training goes on changing the original
     w = copy["model"]["w"]
-    assert w.device.type == "cpu" and w.is_pinned() and torch.equal(w, expected)
+    assert w.device.type == "cpu" and w.is_pinned() and torch.equal(w, expected)  # no device sync in between
+    weight.mul_(2)  # training goes on changing the original
+    torch.cuda.synchronize()
+    assert torch.equal(w, expected)
     assert copy["model"]["tied"] is w and copy["step"] == 3 and not copy["cpu"].is_pinned()
     path = rt.atomic_save(copy, tmp_path / "snap.pt")
     assert torch.equal(rt.load_checkpoint(path)["model"]["w"], expected)
