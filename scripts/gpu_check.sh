@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of the kit on one CUDA machine, in one go: the GPU tests, the default LM and the VJ2 AC
 # trainer through the launcher on the GPUs. Logs and run dirs go to OUTDIR (default gpu_check/). With
-# --bench, then the GPU benchmarks of BENCHMARKS.md (about 8 minutes on an H100), each table in OUTDIR/bench_*.log.
+# --bench, then the GPU benchmarks of BENCHMARKS.md (several minutes on an H100), each table in OUTDIR/bench_*.log.
 #   bash scripts/gpu_check.sh [--bench] [OUTDIR]
 set -uo pipefail
 cd "$(dirname "$0")/.."
