@@ -934,8 +934,10 @@ class DDPTrainer:
 
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        params = [p for _, p in self.named_params if p.grad is not None]
-        raw_norm = torch.nn.utils.get_total_norm([p.grad for p in params]).double()
+        # each .grad read is a trip into C++: read them once (the same tensors until zero_grad)
+        grads = [p.grad for _, p in self.named_params]
+        grads = [g for g in grads if g is not None]
+        raw_norm = torch.nn.utils.get_total_norm(grads).double()
         if self.scaler is None:  # with a GradScaler, inf gradients are its normal business
             tally.nonfinite = torch.maximum(tally.nonfinite, (~torch.isfinite(raw_norm)).double())
         names = self._extra_names(tally.names)
@@ -968,7 +970,7 @@ class DDPTrainer:
         norm = raw_norm_value * factor
         # clip * (1 / x), not clip / x: what the tensor version before it computed, so resumed runs stay bit-identical
         coef = factor * (min(self.cfg.grad_clip * (1.0 / (norm + 1e-6)), 1.0) if self.cfg.grad_clip > 0 else 1.0)
-        torch._foreach_mul_([p.grad for p in params], coef)
+        torch._foreach_mul_(grads, coef)
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
