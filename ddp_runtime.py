@@ -885,8 +885,32 @@ def cuda_bytes(obj: Any) -> int:
 
 # Page-locked memory cannot be swapped out, and PyTorch keeps it cached after a save with each block
 # rounded up to a power of two: the writer pins a payload only while twice its bytes stay under this
-# share of the host's memory, and copies larger ones to pageable memory.
+# share of the memory this process may use, and copies larger ones to pageable memory.
 PIN_MAX_HOST_FRACTION = 0.25
+
+
+def usable_memory_bytes(root: Path = Path("/")) -> int:
+    """The machine's memory, or less where this process's cgroup limits it (a container, a SLURM job)."""
+    limit = psutil.virtual_memory().total
+    cgroup = root / "sys/fs/cgroup"
+    candidates = [cgroup / "memory.max", cgroup / "memory/memory.limit_in_bytes"]
+    try:  # cgroup v2: "0::/some/group"; v1: "N:memory:/some/group"
+        for line in (root / "proc/self/cgroup").read_text().splitlines():
+            _, controllers, group = line.split(":", 2)
+            if controllers == "":
+                candidates.insert(0, cgroup / group.lstrip("/") / "memory.max")
+            elif "memory" in controllers.split(","):
+                candidates.insert(0, cgroup / "memory" / group.lstrip("/") / "memory.limit_in_bytes")
+    except (OSError, ValueError):
+        pass
+    for path in candidates:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # "max" (v2) means no limit; v1 says so with a huge number, which min() ignores
+            limit = min(limit, int(text))
+    return limit
 
 
 class CheckpointWriter:
@@ -950,16 +974,19 @@ class CheckpointWriter:
     def _snapshot(self, payload: Any, memo: dict) -> Any:
         if not self.pin:
             return host_snapshot(payload, memo)
-        size, limit = cuda_bytes(payload), PIN_MAX_HOST_FRACTION * psutil.virtual_memory().total
+        size, limit = cuda_bytes(payload), PIN_MAX_HOST_FRACTION * usable_memory_bytes()
         if 2 * size > limit:
             if not self._told_pageable:
                 self._told_pageable = True
                 self.log.info("checkpoint payload of %.1f GiB: copied to pageable memory (pinning it could hold "
-                              "twice that, over %.0f%% of host memory)", size / 2**30, 100 * PIN_MAX_HOST_FRACTION)
+                              "twice that, over %.0f%% of this process's memory)", size / 2**30,
+                              100 * PIN_MAX_HOST_FRACTION)
             return host_snapshot(payload, memo)
         try:
             return host_snapshot(payload, memo, pin=True)
-        except RuntimeError as exc:  # page-locked memory refused (host memory, ulimit -l): pageable still works
+        except RuntimeError as exc:
+            if "out of memory" not in str(exc).lower() and "alloc" not in str(exc).lower():
+                raise  # not a refused page-locked allocation (host memory, ulimit -l): a real CUDA error
             self.log.warning("page-locked checkpoint copies failed (%s); copying to pageable memory from now on", exc)
             self.pin = False
             return host_snapshot(payload, memo)

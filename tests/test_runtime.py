@@ -411,7 +411,7 @@ def test_writer_pins_within_its_host_memory_share_and_falls_back_to_pageable(tmp
             raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
         return real(obj, memo)
     monkeypatch.setattr(rt, "host_snapshot", snapshot)
-    host = psutil.virtual_memory().total
+    host = rt.usable_memory_bytes()
     writer = rt.CheckpointWriter(background=True, pin=True)
     fail_pinning = False
     monkeypatch.setattr(rt, "cuda_bytes", lambda obj: int(rt.PIN_MAX_HOST_FRACTION * host / 2) - 1)
@@ -431,6 +431,36 @@ def test_writer_pins_within_its_host_memory_share_and_falls_back_to_pageable(tmp
     assert any("page-locked checkpoint copies failed" in r.message for r in caplog.records)
     assert torch.equal(rt.load_checkpoint(tmp_path / "d.pt")["w"], torch.full((2,), 7.0))
     assert writer.close() is None
+
+
+def test_writer_raises_a_cuda_error_that_is_not_a_refused_pinned_allocation(tmp_path, monkeypatch):
+    def snapshot(obj, memo=None, pin=False):
+        raise RuntimeError("CUDA error: device-side assert triggered")
+    monkeypatch.setattr(rt, "host_snapshot", snapshot)
+    monkeypatch.setattr(rt, "cuda_bytes", lambda obj: 0)
+    writer = rt.CheckpointWriter(background=True, pin=True)
+    with pytest.raises(RuntimeError, match="device-side assert"):
+        writer.save({"w": torch.ones(2)}, tmp_path / "a.pt", group=1)
+    assert writer.pin and not (tmp_path / "a.pt").exists()
+    assert writer.close() is None
+
+
+@pytest.mark.parametrize("v2", [True, False])
+def test_usable_memory_is_the_cgroup_limit_where_one_is_set(tmp_path, v2):
+    machine = psutil.virtual_memory().total
+    (tmp_path / "proc/self").mkdir(parents=True)
+    if v2:
+        (tmp_path / "proc/self/cgroup").write_text("0::/job42/step0\n")
+        limit_file, no_limit = tmp_path / "sys/fs/cgroup/job42/step0/memory.max", "max"
+    else:
+        (tmp_path / "proc/self/cgroup").write_text("9:cpu,cpuacct:/job42\n4:memory:/job42\n")
+        limit_file, no_limit = tmp_path / "sys/fs/cgroup/memory/job42/memory.limit_in_bytes", str(2**63 - 4096)
+    limit_file.parent.mkdir(parents=True)
+    limit_file.write_text(f"{2**30}\n")
+    assert rt.usable_memory_bytes(tmp_path) == min(machine, 2**30)
+    limit_file.write_text(no_limit + "\n")
+    assert rt.usable_memory_bytes(tmp_path) == machine
+    assert 0 < rt.usable_memory_bytes() <= machine  # this machine, whatever its cgroups say
 
 
 def test_cuda_bytes_counts_only_cuda_tensors():

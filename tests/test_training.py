@@ -139,6 +139,22 @@ def test_dataloader_workers_are_stopped_when_train_returns(tmp_path, no_launch_e
                for ld in (trainer.train_loader, trainer.val_loader, trainer.test_loader))
 
 
+def test_every_module_trains_at_every_step_around_evaluations(tmp_path, no_launch_env):
+    """The step sets train mode only at the first step and after an evaluation (a walk of every module costs
+    ~0.2 ms): a submodule left in eval mode before training, and the eval mode of every validation, must still
+    never reach a training step."""
+    cfg = dict(QUICK, max_steps=12, val_interval=5, resume="none", log_dir=str(tmp_path / "logs"))
+    trainer = DDPTrainer(rank=0, world_size=1, config=cfg)
+    model = trainer.raw_model
+    model.blocks[0].eval()
+    seen = []  # (root in train mode, every module in train mode) at each forward
+    model.register_forward_pre_hook(lambda m, args: seen.append((m.training, all(x.training for x in m.modules()))))
+    assert trainer.train()["steps"] == 12
+    training = [every for root, every in seen if root]
+    assert len(training) == 12 and all(training)
+    assert any(not root for root, _ in seen)  # the validations ran in eval mode in between
+
+
 def test_flops_per_token_matches_a_measured_count():
     from torch.utils.flop_counter import FlopCounterMode
     m = CausalLM(vocab_size=256, hidden_size=128, num_layers=4, num_heads=4, seq_len=64)
