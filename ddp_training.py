@@ -1743,15 +1743,21 @@ SETUP_ERRORS = (ValueError, FileNotFoundError, rt.CheckpointError)
 EXIT_BAD_INPUT = 2
 
 
-def _spawned_worker(rank: int, world_size: int, cfg: dict) -> None:
+def _train_and_exit_code(rank: int, world_size: int, cfg: dict, local_rank: Optional[int] = None) -> int:
+    """Train; the exit status: 0, EXIT_PREEMPTED, or EXIT_BAD_INPUT for a set-up error (bad input: a data
+    file, a refused state), which rank 0 prints as one line."""
     try:
-        trainer = DDPTrainer(rank=rank, world_size=world_size, config=cfg)
+        trainer = DDPTrainer(rank=rank, world_size=world_size, local_rank=local_rank, config=cfg)
     except SETUP_ERRORS as exc:
         if rank == 0:
             print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        rt.exit_process(EXIT_BAD_INPUT)
+        return EXIT_BAD_INPUT
     summary = trainer.train()
-    rt.exit_process(rt.EXIT_PREEMPTED if summary["status"] == "interrupted" else 0)
+    return rt.EXIT_PREEMPTED if summary["status"] == "interrupted" else 0
+
+
+def _spawned_worker(rank: int, world_size: int, cfg: dict) -> None:
+    rt.exit_process(_train_and_exit_code(rank, world_size, cfg))
 
 
 SAVE_GRACE_S = 300  # as launch_training.sh gives torchrun's workers
@@ -1805,14 +1811,7 @@ def main(argv: Optional[list] = None) -> int:
                   file=sys.stderr)
             return 2
         return spawn_local(args.nproc, cfg)
-    try:  # set-up errors (a data file, a refused state) are the user's input: one line, exit 2
-        trainer = DDPTrainer(rank=launch["rank"], world_size=launch["world_size"],
-                             local_rank=launch["local_rank"], config=cfg)
-    except SETUP_ERRORS as exc:
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    summary = trainer.train()
-    return rt.EXIT_PREEMPTED if summary["status"] == "interrupted" else 0
+    return _train_and_exit_code(launch["rank"], launch["world_size"], cfg, launch["local_rank"])
 
 
 if __name__ == "__main__":
