@@ -684,22 +684,27 @@ class _DispatchIterator:
 class StopSignal:
     """Sets a flag on SIGINT/SIGTERM/SIGUSR1; the trainer agrees on it at the next step boundary.
 
-    The handler does nothing but set the flag: no I/O, no collectives.
+    The handler does nothing but set the flag: no I/O, no collectives. `with StopSignal(names) as s:`
+    installs it for `names` and restores the previous handlers on leaving; install() adds the others.
     """
 
     SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")
+    # What schedulers and launchers send to preempt. Not SIGINT: before training starts, Ctrl-C (a person)
+    # should stop a set-up at once; there is nothing to save yet.
+    PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1")
 
-    def __init__(self):
+    def __init__(self, names: tuple = SIGNALS):
+        self.names = names
         self.received: Optional[int] = None
         self._previous = {}
 
     def _handler(self, signum, frame):
         self.received = signum
 
-    def install(self) -> "StopSignal":
-        for name in self.SIGNALS:
+    def install(self, names: Optional[tuple] = None) -> "StopSignal":
+        for name in names or self.names:
             sig = getattr(signal, name, None)
-            if sig is not None:
+            if sig is not None and sig not in self._previous:
                 try:
                     self._previous[sig] = signal.signal(sig, self._handler)
                 except ValueError:  # not the main thread (e.g. a notebook worker): no handlers
@@ -710,6 +715,12 @@ class StopSignal:
         for sig, prev in self._previous.items():
             signal.signal(sig, prev)
         self._previous.clear()
+
+    def __enter__(self) -> "StopSignal":
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
 
     @property
     def name(self) -> Optional[str]:

@@ -810,6 +810,7 @@ class DDPTrainer:
         self.metrics_path = Path(cfg.log_dir) / "metrics.jsonl"
         self._tb = None
         self._bar = None
+        self.in_train = False
         self.ckpt_dir = Path(cfg.checkpoint_dir)
         self.writer = rt.CheckpointWriter(cfg.async_checkpoint, self.log, pin=pin)
         self.mfu_per_unit = self._mfu_per_unit()
@@ -1069,10 +1070,20 @@ class DDPTrainer:
     # -- evaluation -------------------------------------------------------------
 
     def evaluate(self, loader=None) -> dict:
-        """Mean loss over the whole set (the validation set by default), on all ranks."""
+        """Mean loss over the whole set (the validation set by default), on all ranks. Called outside
+        train(), it stops the loader's workers when it is done, as train() does when it returns."""
+        if self.env.is_distributed and not dist.is_initialized():
+            raise RuntimeError("evaluate() after train() on a multi-process trainer: train() has left the process "
+                               "group, so each rank would see only its own shard; evaluate within the run "
+                               "(val_interval, test_dataset=) or load the saved weights into a new trainer")
+        loader = loader or self.val_loader
         self.set_train_mode = True
-        return evaluate_model(self.raw_model, loader or self.val_loader, self.loss_fn, self.env.device,
-                              self._autocast, self.non_blocking, self.log)
+        try:
+            return evaluate_model(self.raw_model, loader, self.loss_fn, self.env.device, self._autocast,
+                                  self.non_blocking, self.log)
+        finally:
+            if not self.in_train:
+                rt.stop_workers(loader)
 
     # -- checkpoints and metrics ------------------------------------------------
 
@@ -1315,9 +1326,13 @@ class DDPTrainer:
 
     # -- the loop ---------------------------------------------------------------
 
-    def train(self) -> dict:
-        """Run to max_steps/num_epochs, early stop, or an agreed stop signal; returns a summary."""
-        stop_signal = rt.StopSignal().install()
+    def train(self, stop_signal: Optional[rt.StopSignal] = None) -> dict:
+        """Run to max_steps/num_epochs, early stop, or an agreed stop signal; returns a summary.
+        `stop_signal`: one installed before the trainer was built (a signal during set-up then stops the
+        run at its first step, with a save and the PREEMPTED marker); the caller restores it."""
+        self.in_train = True  # evaluate() keeps the loader workers for the next validation
+        own_signal = stop_signal is None
+        stop_signal = (stop_signal or rt.StopSignal()).install(rt.StopSignal.SIGNALS)
         (Path(self.cfg.log_dir) / f"FAILED_rank_{self.env.rank}").unlink(missing_ok=True)  # a previous run's
         clean = False
         try:
@@ -1335,7 +1350,9 @@ class DDPTrainer:
             raise
         finally:
             self.writer.close(self.cfg.dist_timeout)  # a failing run still completes the writes it started
-            stop_signal.restore()
+            if own_signal:
+                stop_signal.restore()
+            self.in_train = False
             self._stop_loader_workers()
             if self._bar is not None:
                 self._bar.close()
@@ -1528,8 +1545,8 @@ class DDPTrainer:
         self.writer.flush()
 
     def _interrupt(self, stop_signal: rt.StopSignal) -> str:
-        self.log.warning("stop signal received (%s on some rank): saving and exiting at step %d",
-                         stop_signal.name or "another rank", self.global_step)
+        self.log.warning("stop signal received (%s): saving and exiting at step %d",
+                         f"{stop_signal.name} here" if stop_signal.name else "by another rank", self.global_step)
         self.save_checkpoint("interrupted")
         if self.state_step != self.global_step:
             self.save_state()
@@ -1725,6 +1742,12 @@ def config_from_args(args: argparse.Namespace) -> dict:
         cfg.update(TEST_PRESET)
     if args.cpu:
         cfg["device"] = "cpu"
+    # Another run name (a flag, or --test's) is another run: the file's run dirs would mix their files
+    renamed = "--run_name" if hasattr(args, "run_name") else "--test" if args.test else None
+    for key in ("log_dir", "checkpoint_dir") if renamed else ():
+        if cfg.get(key) is not None and not hasattr(args, key):
+            print(f"note: {renamed} replaces {key}={cfg[key]} of --config {args.config}", file=sys.stderr)
+            cfg[key] = None
     for f in dataclasses.fields(TrainConfig):
         if hasattr(args, f.name):  # given on the command line (flags default to "absent")
             cfg[f.name] = getattr(args, f.name)
@@ -1746,13 +1769,16 @@ EXIT_BAD_INPUT = 2
 def _train_and_exit_code(rank: int, world_size: int, cfg: dict, local_rank: Optional[int] = None) -> int:
     """Train; the exit status: 0, EXIT_PREEMPTED, or EXIT_BAD_INPUT for a set-up error (bad input: a data
     file, a refused state), which rank 0 prints as one line."""
-    try:
-        trainer = DDPTrainer(rank=rank, world_size=world_size, local_rank=local_rank, config=cfg)
-    except SETUP_ERRORS as exc:
-        if rank == 0:
-            print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    summary = trainer.train()
+    # Caught from before set-up (seconds to minutes: rendezvous, data, a resume): a preempting signal then
+    # stops the run at its first step with a save and the PREEMPTED marker, instead of killing a rank there
+    with rt.StopSignal(rt.StopSignal.PREEMPT_SIGNALS) as stop_signal:
+        try:
+            trainer = DDPTrainer(rank=rank, world_size=world_size, local_rank=local_rank, config=cfg)
+        except SETUP_ERRORS as exc:
+            if rank == 0:
+                print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        summary = trainer.train(stop_signal)
     return rt.EXIT_PREEMPTED if summary["status"] == "interrupted" else 0
 
 

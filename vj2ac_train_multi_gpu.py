@@ -333,6 +333,13 @@ def train_config(args):
 
 
 def train(args, launch):
+    # Caught from before set-up (checking every data file can take minutes): a preempting signal then stops
+    # the run at its first step with a save and the PREEMPTED marker, instead of killing a rank there
+    with rt.StopSignal(rt.StopSignal.PREEMPT_SIGNALS) as stop_signal:
+        return _train(args, launch, stop_signal)
+
+
+def _train(args, launch, stop_signal):
     cfg = train_config(args)
     # the trainer's logger has the same name: it replaces these handlers, so no line is written twice
     log = rt.setup_logger(cfg["log_dir"], launch["rank"], args.debug)
@@ -369,7 +376,7 @@ def train(args, launch):
     log.info("[DDP] Rank %d/%d, local_rank=%d, device=%s", env.rank, env.world_size, env.local_rank, env.device)
     log.info("[DDP] Dataloader created with %d samples, batch_size=%d (%d batches per rank per epoch)",
              len(train_set), args.batch_size, len(trainer.train_loader))
-    summary = trainer.train()
+    summary = trainer.train(stop_signal)
     return rt.EXIT_PREEMPTED if summary["status"] == "interrupted" else 0
 
 

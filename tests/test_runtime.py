@@ -352,6 +352,15 @@ def test_stop_signal_only_sets_a_flag():
     assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
 
 
+def test_stop_signal_for_set_up_leaves_ctrl_c_alone_until_training():
+    before = signal.getsignal(signal.SIGINT)
+    with rt.StopSignal(rt.StopSignal.PREEMPT_SIGNALS) as stop:  # set-up: a scheduler's signals only
+        assert signal.getsignal(signal.SIGINT) is before and signal.getsignal(signal.SIGTERM) == stop._handler
+        stop.install(rt.StopSignal.SIGNALS)  # train(): Ctrl-C too; installing SIGTERM again keeps its original
+        assert signal.getsignal(signal.SIGINT) == stop._handler
+    assert signal.getsignal(signal.SIGINT) is before and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
 # -- checkpoint I/O -----------------------------------------------------------------
 
 def test_atomic_save_roundtrip_and_hash(tmp_path):

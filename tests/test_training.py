@@ -11,6 +11,7 @@ import os
 import random
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 from conftest import REPO, background, clean_env, make_vj2_data, metrics, run, torchrun, torchrun_workers, wait_for_step
+from dist_helpers import free_ports, spawn
 
 import ddp_runtime as rt
 from ddp_training import CausalLM, DDPTrainer, TrainConfig, build_arg_parser, config_from_args
@@ -132,11 +134,35 @@ def test_dataloader_workers_are_stopped_when_train_returns(tmp_path, no_launch_e
     trainer = DDPTrainer(rank=0, world_size=1, config=cfg)
     summary = trainer.train()
     assert summary["status"] == "completed" and summary["steps"] == 12 and summary["test_loss"] is not None
-    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
-            and p.status() != psutil.STATUS_ZOMBIE]
-    assert left == [], [(p.pid, p.cmdline()[:3]) for p in left]
+
+    def left():
+        return [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
+                and p.status() != psutil.STATUS_ZOMBIE]
+    assert left() == [], [(p.pid, p.cmdline()[:3]) for p in left()]
     assert all(getattr(ld, "_iterator", None) is None
                for ld in (trainer.train_loader, trainer.val_loader, trainer.test_loader))
+    # evaluate() after train() starts the workers again, and stops them when it is done
+    assert abs(trainer.evaluate()["loss"] - summary["final_val_loss"]) < 1e-6
+    assert abs(trainer.evaluate(trainer.test_loader)["loss"] - summary["test_loss"]) < 1e-6
+    assert left() == [], [(p.pid, p.cmdline()[:3]) for p in left()]
+
+
+def _evaluate_after_train(rank, world_size, root):
+    trainer = DDPTrainer(rank=rank, world_size=world_size, config=dict(
+        QUICK, max_steps=4, val_interval=0, resume="none", log_dir=str(Path(root) / "logs")))
+    trainer.train()
+    try:
+        trainer.evaluate()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.multi
+def test_evaluate_after_train_on_two_ranks_is_refused(tmp_path):
+    """train() leaves the process group: each rank would silently evaluate only its own shard."""
+    for msg in spawn(_evaluate_after_train, 2, str(tmp_path), timeout=120):
+        assert msg.startswith("evaluate() after train() on a multi-process trainer"), msg
 
 
 def test_every_module_trains_at_every_step_around_evaluations(tmp_path, no_launch_env):
@@ -232,6 +258,18 @@ def test_a_saved_config_with_another_run_name_makes_another_run(tmp_path, no_lau
     args = build_arg_parser().parse_args(["--config", "runs/a/config.yaml", "--run_name", "a2"])
     cfg = TrainConfig.from_dict(config_from_args(args))
     assert (cfg.log_dir, cfg.checkpoint_dir) == (str(Path("runs") / "a2"), str(Path("runs") / "a2" / "checkpoints"))
+    # A file that names its dirs: --run_name still makes another run, unless the dirs are flags too
+    Path("named.yaml").write_text("log_dir: runs/exp1\ncheckpoint_dir: /data/ckpt/exp1\n")
+    cfg = TrainConfig.from_dict(config_from_args(build_arg_parser().parse_args(
+        ["--config", "named.yaml", "--run_name", "exp2"])))
+    assert (cfg.log_dir, cfg.checkpoint_dir) == (str(Path("runs") / "exp2"), str(Path("runs") / "exp2" / "checkpoints"))
+    cfg = TrainConfig.from_dict(config_from_args(build_arg_parser().parse_args(
+        ["--config", "named.yaml", "--run_name", "exp2", "--checkpoint_dir", "/data/ckpt/exp2"])))
+    assert (cfg.log_dir, cfg.checkpoint_dir) == (str(Path("runs") / "exp2"), "/data/ckpt/exp2")
+    cfg = TrainConfig.from_dict(config_from_args(build_arg_parser().parse_args(["--config", "named.yaml"])))
+    assert (cfg.log_dir, cfg.checkpoint_dir) == ("runs/exp1", "/data/ckpt/exp1")
+    cfg = TrainConfig.from_dict(config_from_args(build_arg_parser().parse_args(["--config", "named.yaml", "--test"])))
+    assert cfg.log_dir == str(Path("runs") / "lm_test")  # a quick test never writes into the real run's dirs
 
 
 def test_cli_precedence_defaults_yaml_flags(tmp_path):
@@ -385,6 +423,50 @@ def test_sigterm_on_a_plain_run_exits_with_the_preempted_code(tmp_path):
         assert proc.wait(timeout=30) == rt.EXIT_PREEMPTED
     step = json.loads((tmp_path / "logs" / "PREEMPTED").read_text())["step"]
     assert (tmp_path / "ckpt" / f"model_state_step_{step}.pt").exists()
+
+
+def _wait_for_listener(port: int, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    pytest.fail(f"nothing listened on port {port} within {timeout}s")
+
+
+@pytest.mark.multi
+@pytest.mark.parametrize("script", ["ddp_training.py", "vj2ac_train_multi_gpu.py"])
+def test_sigterm_during_set_up_stops_at_the_first_step_with_a_save(tmp_path, script):
+    """Rank 0 gets SIGTERM while it waits in the rendezvous for rank 1 (set-up: no step yet). It must not
+    die there: both ranks set up, agree on the stop at the first step, save, write the marker, exit 75."""
+    port = free_ports(1)[0]
+    if script == "ddp_training.py":
+        args = ["--cpu", "--test", "--log_dir", "logs", "--checkpoint_dir", "ckpt"]
+    else:
+        data = make_vj2_data(tmp_path / "data", 1, 16, 4)
+        args = ["--device", "cpu", "--dist-backend", "gloo", "--processed_data_dir", data / "train",
+                "--validation_data_dir", data / "val", "--batch_size", "4", "--max_steps", "20",
+                "--checkpoint_dir", "logs"]
+    cmd = [sys.executable, REPO / script, *args, "--dist_timeout", "60"]
+    ranks = [clean_env(RANK=r, WORLD_SIZE=2, LOCAL_RANK=r, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+             for r in (0, 1)]
+    with background(cmd, tmp_path, env=ranks[0]) as rank0:
+        _wait_for_listener(port, 60)  # rank 0 holds the rendezvous store: it is inside set-up
+        rank0.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert rank0.poll() is None, "rank 0 died of a signal during set-up"
+        with background(cmd, tmp_path, env=ranks[1]) as rank1:
+            out1, _ = rank1.communicate(timeout=120)
+        out0, _ = rank0.communicate(timeout=60)
+    assert (rank0.returncode, rank1.returncode) == (75, 75), (out0[-3000:], out1[-3000:])
+    marker = json.loads((tmp_path / "logs" / "PREEMPTED").read_text())
+    assert marker["step"] == 1
+    for rank, who in ((0, "SIGTERM here"), (1, "by another rank")):
+        text = (tmp_path / "logs" / f"rank_{rank}.log").read_text()
+        assert f"stop signal received ({who}): saving and exiting at step 1" in text
+    ckpt = tmp_path / ("ckpt" if script == "ddp_training.py" else "logs")
+    assert len(list(ckpt.glob("*_state_step_1.pt"))) == 1
 
 
 # -- a real corpus ----------------------------------------------------------------------------
