@@ -7,19 +7,22 @@ file, the key and what was expected, instead of crashing one rank in the middle 
 file are ignored.
 
 Reading: VJ2TrajectoryDataset.__getitem__ never re-opens a file per sample.
-- Stored (np.savez, uncompressed) members are np.memmap'ed straight out of the zip: the .npy data of a stored
-  member is a plain byte range of the file. Pages live in the OS page cache and are reclaimable, so resident
-  memory does not grow with the dataset. At most `max_open_files` maps are kept (each holds a descriptor).
-- Deflated (np.savez_compressed) members cannot be mapped; each process keeps an LRU of `cache_files`
+- Stored (np.savez, uncompressed) members are read straight out of the zip: the .npy data of a stored member
+  is a plain byte range of the file, so one trajectory is one os.pread of exactly its bytes, from the OS page
+  cache into an array the sample owns. Not a memory map: every page read through a map stays in the reading
+  process's resident set until the map is closed, so with the maps of a whole data set open a worker's RSS
+  grew to the data it had read. At most `max_open_files` descriptors are kept.
+- Deflated (np.savez_compressed) members cannot be read by offset; each process keeps an LRU of `cache_files`
   decompressed files. Random access across many compressed files thrashes it (one decompression per visit),
   so store big datasets uncompressed.
-Maps and caches are opened lazily in the process that reads. Nothing with a file position is kept open (a map
-reads by address), so fork-started DataLoader workers can share what the parent opened, and pickling (spawn
-workers) drops the caches instead of shipping arrays.
+Descriptors and caches are opened lazily in the process that reads. pread takes an offset, never the
+descriptor's position, so fork-started DataLoader workers can share what the parent opened, and pickling
+(spawn workers) drops the caches instead of shipping arrays.
 """
 
 import bisect
 import math
+import os
 import struct
 import warnings
 import zipfile
@@ -379,13 +382,13 @@ class VJ2TrajectoryDataset(Dataset):
             warnings.warn(message, stacklevel=4)  # the line that built the dataset
 
     def _reset_caches(self):
-        self._mapped = OrderedDict()  # file index -> (embeddings, actions) np.memmap
+        self._open = OrderedDict()  # file index -> StoredFile
         self._loaded = OrderedDict()  # file index -> (embeddings, actions) decompressed arrays
 
     def __getstate__(self):
         # spawn-started workers get the index, not the arrays; they open what they read themselves
         state = self.__dict__.copy()
-        state["_mapped"], state["_loaded"] = OrderedDict(), OrderedDict()
+        state["_open"], state["_loaded"] = OrderedDict(), OrderedDict()
         return state
 
     def __len__(self):
@@ -401,9 +404,7 @@ class VJ2TrajectoryDataset(Dataset):
 
     def __getitem__(self, index):
         f, row = self.locate(index)
-        # np.array copies out of the map/cache (and fixes byte order) so the tensor owns writable memory
-        embeddings = torch.from_numpy(np.array(self.arrays(f)[0][row], dtype=self.dtype))
-        return embeddings, self._actions(f, row)
+        return torch.from_numpy(self.read(f, "embeddings", row, self.dtype)), self._actions(f, row)
 
     def actions(self, index):
         """Trajectory `index`'s actions [T-1, A*C] alone, without reading its embeddings."""
@@ -411,14 +412,15 @@ class VJ2TrajectoryDataset(Dataset):
 
     def _actions(self, f, row):
         T, _, _, A, C = self.geometry
-        return torch.from_numpy(np.array(self.arrays(f)[1][row], dtype=np.float32).reshape(T - 1, A * C))
+        return torch.from_numpy(self.read(f, "actions", row, np.float32).reshape(T - 1, A * C))
 
-    def arrays(self, f):
-        """(embeddings, actions) arrays of file f: memory maps, or decompressed copies kept in a small LRU."""
+    def read(self, f, key, row, dtype):
+        """Row `row` of member `key` of file f as a new writable array of `dtype` (native byte order)."""
         info = self.infos[f]
         if info.mappable:
-            return lru_get(self._mapped, f, self.max_open_files, lambda: map_file(info))
-        return lru_get(self._loaded, f, self.cache_files, lambda: load_file(info))
+            return lru_get(self._open, f, self.max_open_files, lambda: StoredFile(info)).read(key, row, dtype)
+        arrays = lru_get(self._loaded, f, self.cache_files, lambda: load_file(info))
+        return np.array(arrays[KEYS.index(key)][row], dtype=dtype)
 
     def summary(self):
         return (f"{self.data_dir}: {len(self.files)} files, {len(self)} trajectories, "
@@ -460,10 +462,34 @@ def lru_get(cache, key, limit, load):
     return value
 
 
-def map_file(info):
-    return tuple(np.memmap(info.path, dtype=m.dtype, mode="r", offset=m.data_offset, shape=m.shape,
-                           order="F" if m.fortran_order else "C")
-                 for m in (info.members[k] for k in KEYS))
+class StoredFile:
+    """One open file whose members are all stored: reads a row of a member by its offset (os.pread)."""
+
+    def __init__(self, info):
+        self.info = info
+        self.file = open(info.path, "rb", buffering=0)  # closed when the LRU drops this object
+        self._maps = {}  # Fortran-order members only: their rows are strided, not one byte range
+
+    def read(self, key, row, dtype):
+        m = self.info.members[key]
+        if m.fortran_order:
+            if key not in self._maps:
+                self._maps[key] = np.memmap(self.info.path, dtype=m.dtype, mode="r", offset=m.data_offset,
+                                            shape=m.shape, order="F")
+            return np.array(self._maps[key][row], dtype=dtype)
+        out = np.empty(m.shape[1:], m.dtype)
+        self._pread_into(out, m.data_offset + row * out.nbytes, key, row)
+        return out if out.dtype == dtype else out.astype(dtype)
+
+    def _pread_into(self, out, offset, key, row):
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        done = 0
+        while done < len(view):
+            n = os.preadv(self.file.fileno(), [view[done:]], offset + done)
+            if n == 0:
+                raise DataFileError(f"{self.info.path}: key '{key}' ends early: trajectory {row} has "
+                                    f"{done} of {len(view)} bytes; the file changed after it was validated")
+            done += n
 
 
 def load_file(info):

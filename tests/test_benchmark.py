@@ -118,8 +118,10 @@ def test_loader(tmp_path):
             positive(p["rss"], p["anon"], p["uss"])
             assert p["anon"] <= p["rss"] and p["uss"] <= p["rss"]
         assert m["main_peak_mb"]["rss"] >= m["main_before_mb"]["rss"]
-    assert [g["workers"] for g in out["anon_growth"]] == [0, 1]
-    assert isinstance(out["memory_flat"], bool)
+    assert [g["workers"] for g in out["memory_growth"]] == [0, 1]
+    assert isinstance(out["memory_flat"], bool) and isinstance(out["rss_flat"], bool)
+    assert {"workers", "anon_peak_mb_1x", "anon_peak_mb_3x", "rss_peak_mb_1x", "rss_peak_mb_3x"} == \
+        set(out["memory_growth"][0])
 
 
 def test_checkpoint(tmp_path):

@@ -226,8 +226,47 @@ def test_memmap_and_decompressing_paths_give_identical_items(tmp_path):
     for i in range(len(a)):
         for x, y in zip(a[i], b[i]):
             assert torch.equal(x, y)
-    assert isinstance(a.arrays(0)[0], np.memmap) and not isinstance(b.arrays(0)[0], np.memmap)
-    assert len(b._loaded) == 1  # the decompressed cache stays bounded
+    assert len(a._open) == 3 and not a._loaded  # stored members: read by offset from open files
+    assert len(b._loaded) == 1 and not b._open  # the decompressed cache stays bounded
+
+
+def test_any_stored_layout_reads_the_same_items(tmp_path):
+    """Fortran-order and big-endian stored members (np.savez keeps both) give the same native items."""
+    c_file = gen.generate(tmp_path / "c", num_files=1, trajectories_per_file=3, seed=4, **SMALL)[0]
+    arrays = load(c_file)
+    layouts = {"fortran": np.asfortranarray, "big_endian": lambda a: a.astype(a.dtype.newbyteorder(">"))}
+    ref = VJ2TrajectoryDataset(tmp_path / "c")
+    for name, change in layouts.items():
+        (tmp_path / name).mkdir()
+        np.savez(tmp_path / name / "a.npz", **{k: change(v) for k, v in arrays.items()})
+        ds = VJ2TrajectoryDataset(tmp_path / name)
+        for i in range(3):
+            for x, y in zip(ds[i], ref[i]):
+                assert x.dtype == y.dtype and torch.equal(x, y), name
+
+
+def test_reading_maps_no_data_and_keeps_at_most_max_open_files_open(tmp_path):
+    """A memory map keeps every page read through it in the process's RSS until it is closed: reads go by
+    offset instead, so RSS does not grow with the data read. Open descriptors stay within max_open_files."""
+    import psutil
+    files = gen.generate(tmp_path, num_files=5, trajectories_per_file=2, seed=2, **SMALL)
+    ds = VJ2TrajectoryDataset(tmp_path, max_open_files=2)
+    for i in range(len(ds)):
+        ds[i]
+    me = psutil.Process()
+    data = {str(p.resolve()) for p in files}
+    assert not data & {m.path for m in me.memory_maps(grouped=True)}
+    assert len(data & {f.path for f in me.open_files()}) == len(ds._open) == 2
+
+
+def test_a_file_cut_short_after_validation_is_a_clear_error(tmp_path):
+    path = gen.generate(tmp_path, num_files=1, trajectories_per_file=3, seed=2, **SMALL)[0]
+    ds = VJ2TrajectoryDataset(tmp_path)
+    ds[0]
+    with open(path, "r+b") as f:
+        f.truncate(ds.infos[0].members["embeddings"].data_offset + 100)
+    with pytest.raises(DataFileError, match=rf"{path.name}: key 'embeddings' ends early: trajectory 1 has 0 of"):
+        ds[1]
 
 
 def test_dataset_works_in_dataloader_workers_and_pickles_without_arrays(data_dir):
