@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import random
+import re
 import signal
 import socket
 import sys
@@ -179,18 +180,23 @@ class TrainConfig:
         for key in cfg:
             if key not in known:
                 raise ValueError(f"unknown config key {key!r}; known keys: {', '.join(sorted(known))}")
-        out = cls(**cfg)
+        hints = typing.get_type_hints(cls)
+        out = cls(**{key: _typed(key, value, hints[key]) for key, value in cfg.items()})
         out.check()
         out.log_dir = out.log_dir or str(Path("runs") / out.run_name)
         out.checkpoint_dir = out.checkpoint_dir or str(Path(out.log_dir) / "checkpoints")
         return out
 
     def check(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"config key {f.name!r} must be a finite number, got {value}")
         for key, allowed in CHOICES.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"config key {key!r} must be one of {allowed}, got {getattr(self, key)!r}")
         for key in ("batch_size", "grad_accum_steps", "seq_len", "hidden_size", "num_layers", "num_heads",
-                    "log_interval", "max_bad_steps"):
+                    "log_interval", "max_bad_steps", "vocab_size", "dataset_size", "markov_branching"):
             if getattr(self, key) < 1:
                 raise ValueError(f"config key {key!r} must be >= 1, got {getattr(self, key)}")
         for key in ("num_epochs", "max_steps", "warmup_steps", "num_workers", "val_interval", "patience",
@@ -211,8 +217,36 @@ class TrainConfig:
             raise ValueError(f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}")
         if self.num_epochs < 1 and self.max_steps < 1:
             raise ValueError("set num_epochs >= 1 or max_steps >= 1")
-        if self.dist_timeout <= 0:
-            raise ValueError(f"dist_timeout must be positive seconds, got {self.dist_timeout}")
+        if not 0 < self.dist_timeout <= MAX_TIMEOUT_S or self.first_step_timeout > MAX_TIMEOUT_S:
+            raise ValueError(f"dist_timeout must be positive seconds and it and first_step_timeout at most "
+                             f"{MAX_TIMEOUT_S:g}, got {self.dist_timeout} and {self.first_step_timeout}")
+        # it names files in checkpoint_dir and is matched as a glob pattern there
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.checkpoint_prefix):
+            raise ValueError(f"config key 'checkpoint_prefix' must be letters, digits, '.', '_' or '-' (not first), "
+                             f"got {self.checkpoint_prefix!r}")
+
+
+MAX_TIMEOUT_S = 1e7  # about 4 months; a larger one overflows the deadlines built from it
+
+
+def _typed(key: str, value, tp):
+    """A config value as its field's type, read the way the flag reads it: YAML gives '3e-4' as a string,
+    and a wrong type would otherwise fail later, mid-run, far from the key."""
+    if value is None:
+        if type(None) not in typing.get_args(tp):
+            raise ValueError(f"config key {key!r} must not be null")
+        return None
+    if isinstance(value, bool) and tp not in (bool, Optional[bool]):
+        raise ValueError(f"config key {key!r} expects {_type_name(tp)}, got {value!r}")
+    try:
+        return _field_parser(tp)(str(value))
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        raise ValueError(f"config key {key!r} expects {_type_name(tp)}, got {value!r}") from exc
+
+
+def _type_name(tp) -> str:
+    inner = [a for a in typing.get_args(tp) if a is not type(None)]
+    return f"{(inner or [tp])[0].__name__}{' or null' if inner else ''}"
 
 
 # A quick run: tiny model, few steps, finishes in seconds on a CPU.
@@ -587,6 +621,11 @@ class StepTally:
         extras = [self.extras.get(n, self.count * 0) for n in names]
         return torch.cat([torch.stack([self.count, self.loss_sum, self.nonfinite]), flags,
                           torch.stack(extras) if extras else flags[:0]])
+
+
+def _json_number(x: float) -> Optional[float]:
+    """null for a non-finite value: json.dumps would write NaN, which strict JSON readers refuse."""
+    return x if math.isfinite(x) else None
 
 
 def next_batch(batches) -> Any:
@@ -967,6 +1006,8 @@ class DDPTrainer:
                 self.scaler.update()
             result.update(skipped=True, nonfinite=g_nonfinite > 0 and not g_oom, grad_norm=float("nan"),
                           retry=bool(g_oom))
+            if result["nonfinite"]:  # the tally left the non-finite losses out: what it holds is no measurement
+                result["loss"], result["extras"] = float("nan"), dict.fromkeys(names, float("nan"))
             return result
         # DDP averaged the per-rank sums: grad = (1/W) sum S / B. Make it sum S / N.
         factor = self.env.world_size * self.cfg.batch_size / g_count
@@ -1076,7 +1117,7 @@ class DDPTrainer:
             raise RuntimeError("evaluate() after train() on a multi-process trainer: train() has left the process "
                                "group, so each rank would see only its own shard; evaluate within the run "
                                "(val_interval, test_dataset=) or load the saved weights into a new trainer")
-        loader = loader or self.val_loader
+        loader = self.val_loader if loader is None else loader  # not `or`: an empty shard's loader is falsy
         self.set_train_mode = True
         try:
             return evaluate_model(self.raw_model, loader, self.loss_fn, self.env.device, self._autocast,
@@ -1239,8 +1280,10 @@ class DDPTrainer:
             raise StateMismatch(f"{path} holds another model ({lines[1] if len(lines) > 1 else lines[0]} ...); "
                                 f"resuming it is refused (resume none or another run_name starts fresh; or use "
                                 f"the original model settings)") from exc
+        configured = [(g["initial_lr"], g["weight_decay"]) for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self._apply_configured_rates(configured)
         if self.scaler and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
         counters = {"epoch_data_errors": 0, **state["counters"]}  # a state from before these were saved:
@@ -1250,6 +1293,21 @@ class DDPTrainer:
         mine = state["rng"][self.env.rank]
         self.loader_rng = dict(mine["loader"])
         rt.set_rng_state(mine)
+
+    def _apply_configured_rates(self, configured: list) -> None:
+        """The optimizer and scheduler states carry the learning rate and weight decay they were saved with;
+        this run's config wins, and the rate of the next step follows this run's schedule (another max_steps
+        changes it). Unchanged settings give exactly the saved rate, so a resumed run stays bit-identical."""
+        groups = self.optimizer.param_groups
+        saved = [(g["initial_lr"], g["weight_decay"]) for g in groups]
+        if saved != configured:
+            self.log.warning("the state was saved with (learning_rate, weight_decay) %s per parameter group; this "
+                             "run's %s apply from here on", saved, configured)
+        self.scheduler.base_lrs = [lr for lr, _ in configured]
+        step = self.scheduler.last_epoch
+        for g, (lr, wd), factor in zip(groups, configured, self.scheduler.lr_lambdas):
+            g["initial_lr"], g["weight_decay"], g["lr"] = lr, wd, lr * factor(step)  # LambdaLR's own formula
+        self.scheduler._last_lr = [g["lr"] for g in groups]
 
     def write_metrics(self, record: dict) -> None:
         if not self.env.is_main:
@@ -1315,8 +1373,14 @@ class DDPTrainer:
         self.log.info("validation at step %d: loss %.5f (best %.5f)%s", self.global_step, res["loss"],
                       self.best_val, "" if floor is None else
                       f" [{'loss floor' if 'loss_floor' in self.data_info else 'unigram entropy'} {floor:.5f}]")
-        # Every rank holds the same all-reduced loss, so these decisions agree without more talk.
-        if self.cfg.target_loss is not None and res["loss"] <= self.cfg.target_loss:
+        return self._early_stop()
+
+    def _early_stop(self) -> bool:
+        """The decision after the last validation. Every rank holds the same all-reduced loss, so the ranks
+        agree without more talk."""
+        if self.last_val_step != self.global_step:
+            return False
+        if self.cfg.target_loss is not None and self.last_val <= self.cfg.target_loss:
             self.log.info("target_loss %.5f reached: stopping", self.cfg.target_loss)
             return True
         if self.cfg.patience and self.bad_validations >= self.cfg.patience:
@@ -1341,7 +1405,10 @@ class DDPTrainer:
                 summary = self._nothing_to_do(finished)
             else:
                 rt.run_on_rank0(self._prepare_run_dir, what="preparing the run directory")
-                summary = self._finish(self._loop(stop_signal))
+                status = self._loop(stop_signal)
+                if status == "early_stopped" and self.global_step >= self.total_steps:
+                    status = "completed"  # the last validation's verdict came with no step left to skip
+                summary = self._finish(status)
             clean = True
         except BaseException as exc:
             self.log.error("training failed at step %d: %s: %s", self.global_step, type(exc).__name__, exc)
@@ -1426,6 +1493,8 @@ class DDPTrainer:
         window_t, window_steps = time.time(), 0
         gen = self.train_loader.generator
         bar = self._bar = self._progress_bar()
+        if self.resumed_from is not None and self._early_stop():  # decided when this state was saved
+            return "early_stopped"
         while self.global_step < self.total_steps:
             start = self.step_in_epoch
             # Re-create the epoch's batch order exactly: same permutation, same loader seed,
@@ -1559,9 +1628,10 @@ class DDPTrainer:
         self.skipped_steps += r["skipped"]
         self.consecutive_bad_steps = self.consecutive_bad_steps + 1 if r["nonfinite"] else 0
         mfu = None if self.mfu_per_unit is None else self.mfu_per_unit * r["count"] / step_time
-        record = {"type": "train", "step": self.global_step, "epoch": self.epoch, "loss": r["loss"],
+        record = {"type": "train", "step": self.global_step, "epoch": self.epoch, "loss": _json_number(r["loss"]),
                   **({"mfu": mfu} if mfu is not None else {}),
-                  **r["extras"], "lr": self.scheduler.get_last_lr()[0], "grad_norm": r["grad_norm"],
+                  **{k: _json_number(v) for k, v in r["extras"].items()}, "lr": self.scheduler.get_last_lr()[0],
+                  "grad_norm": _json_number(r["grad_norm"]),
                   "samples_per_s": global_batch / step_time, f"{self.count_unit}_per_s": r["count"] / step_time,
                   "skipped": r["skipped"], "time": time.time() - self.t0}
         mem = self.memory.on_step(self.global_step)
@@ -1649,6 +1719,8 @@ class DDPTrainer:
     def _finish(self, status: str) -> dict:
         if status != "interrupted":
             self.save_checkpoint("final")
+            if self.state_step != self.global_step:  # a longer max_steps (or patience) then trains on from here
+                self.save_state()
         self.writer.flush()
         test = self.evaluate(self.test_loader) if self.test_loader is not None and status != "interrupted" else None
         wall = time.time() - self.t0

@@ -87,18 +87,21 @@ def test_resume_none_starts_fresh_and_sets_the_old_states_aside(tmp_path, no_lau
     # the new run's states survive pruning (the old 15 and 20 are newer by step) and the old ones are kept aside
     ckpt = tmp_path / "ckpt"
     assert sorted(p.name for p in ckpt.glob("model_state_step_*.pt")) == ["model_state_step_10.pt",
-                                                                          "model_state_step_5.pt"]
+                                                                          "model_state_step_14.pt"]
     (aside,) = ckpt.glob("previous_states.*")
     assert sorted(p.name for p in aside.glob("*.pt")) == ["model_state_step_15.pt", "model_state_step_20.pt"]
     longer = DDPTrainer(config=cfg_for(tmp_path, max_steps=16)).train()  # resume auto: this run, not the old one
-    assert longer["resumed_from"].endswith("model_state_step_10.pt")
+    assert longer["resumed_from"].endswith("model_state_step_14.pt")
 
 
 def test_a_validation_the_state_predates_is_logged_once(tmp_path, no_launch_env):
     cfg = cfg_for(tmp_path, max_steps=10, save_every_iters=8)  # 8 steps per epoch
     DDPTrainer(config=cfg).train()
-    (tmp_path / "logs" / "COMPLETED").unlink()  # as if killed after step 10: the newest state is step 8's,
-    again = DDPTrainer(config=cfg).train()      # which the epoch's closing validation at step 8 came after
+    # as if killed after step 10, before the final state: the newest state is step 8's, which the epoch's
+    # closing validation at step 8 came after
+    (tmp_path / "logs" / "COMPLETED").unlink()
+    (tmp_path / "ckpt" / "model_state_step_10.pt").unlink()
+    again = DDPTrainer(config=cfg).train()
     assert again["resumed_from"].endswith("model_state_step_8.pt")
     assert [r["step"] for r in metrics(tmp_path / "logs", "val")] == [8, 10]
 
@@ -111,8 +114,8 @@ def test_relaunching_a_finished_run_changes_nothing(tmp_path, no_launch_env):
     assert {p: p.read_bytes() for p in files} == files
 
 
-def test_relaunching_a_finished_run_without_a_final_state_changes_nothing(tmp_path, no_launch_env):
-    # an early stop at step 10 (patience 1 on an unchanging loss), with no resumable state at all
+def test_an_early_stopped_run_is_done_until_its_stop_is_lifted(tmp_path, no_launch_env):
+    # an early stop at step 10 (patience 1 on an unchanging loss), with no periodic state
     cfg = cfg_for(tmp_path, val_interval=5, patience=1, min_delta=0.1, learning_rate=1e-9, warmup_steps=0,
                   save_every_iters=0)
     first = DDPTrainer(config=cfg).train()
@@ -121,8 +124,36 @@ def test_relaunching_a_finished_run_without_a_final_state_changes_nothing(tmp_pa
     again = DDPTrainer(config=cfg).train()
     assert again["already_complete"] and again["status"] == "early_stopped" and again["steps"] == 10
     assert {p: p.read_bytes() for p in files} == files
-    longer = DDPTrainer(config={**cfg, "max_steps": 30, "patience": 0}).train()  # another length: trains on
-    assert longer["steps"] == 30 and not longer.get("already_complete")
+    # killed after the stop was decided and saved, before COMPLETED: the relaunch stops again, training nothing
+    (tmp_path / "logs" / "COMPLETED").unlink()
+    again = DDPTrainer(config=cfg).train()
+    assert again["status"] == "early_stopped" and again["steps"] == 10 and again["resumed_from"]
+    assert train_steps(tmp_path) == list(range(1, 11))
+    # without the stop (no patience, more steps) it trains on from the run's final state
+    longer = DDPTrainer(config={**cfg, "max_steps": 30, "patience": 0}).train()
+    assert longer["steps"] == 30 and longer["resumed_from"].endswith("model_state_step_10.pt")
+    assert train_steps(tmp_path) == list(range(1, 31))
+
+
+def test_a_longer_max_steps_trains_on_from_where_the_finished_run_ended(tmp_path, no_launch_env):
+    cfg = cfg_for(tmp_path, max_steps=6, save_every_iters=0)  # no periodic state: the final one
+    DDPTrainer(config=cfg).train()
+    longer = DDPTrainer(config={**cfg, "max_steps": 12}).train()
+    assert longer["resumed_from"].endswith("model_state_step_6.pt") and longer["steps"] == 12
+    assert train_steps(tmp_path) == list(range(1, 13))
+
+
+def test_a_changed_learning_rate_applies_after_resume(tmp_path, no_launch_env, caplog):
+    """The optimizer state holds the rate it was saved with: the config's rate and schedule must win."""
+    from ddp_training import lr_factor
+    cfg = cfg_for(tmp_path, max_steps=6, learning_rate=1e-2, weight_decay=0.01)
+    DDPTrainer(config=cfg).train()
+    t = DDPTrainer(config={**cfg, "max_steps": 9, "learning_rate": 1e-3, "weight_decay": 0.05})
+    assert [g["weight_decay"] for g in t.optimizer.param_groups] == [0.05, 0.0]
+    t.train()
+    lr = {r["step"]: r["lr"] for r in metrics(tmp_path / "logs", "train")}
+    assert lr[7] == pytest.approx(1e-3 * lr_factor(7, 9, BASE["warmup_steps"], "cosine", 0.1), rel=1e-12)
+    assert "this run's [(0.001, 0.05), (0.001, 0.0)] apply" in (tmp_path / "logs" / "rank_0.log").read_text()
 
 
 def test_only_the_newest_states_are_kept(tmp_path, no_launch_env):

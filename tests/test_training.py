@@ -9,6 +9,7 @@ import json
 import math
 import os
 import random
+import re
 import select
 import signal
 import socket
@@ -216,6 +217,9 @@ def test_nonfinite_loss_skips_the_step_and_gives_up_after_max_bad_steps(tmp_path
     assert all(torch.isfinite(p).all() for p in model.parameters())
     train = metrics(tmp_path / "logs", "train")
     assert [r["step"] for r in train if r["skipped"]] == [3, 4, 11, 12, 13]
+    # a skipped step's loss is no measurement: null (strict JSON), never the 0.0 the tally holds
+    assert all((r["loss"] is None and r["grad_norm"] is None) == r["skipped"] for r in train)
+    assert "NaN" not in (tmp_path / "logs" / "metrics.jsonl").read_text()
     saved = torch.load(tmp_path / "ckpt" / "model_interrupted.pt", weights_only=True)
     assert saved["global_step"] == 13 and all(torch.isfinite(v).all() for v in saved["model"].values())
 
@@ -227,6 +231,48 @@ def test_unknown_config_key_names_the_key(tmp_path):
         DDPTrainer(config={"batchsize": 4})
     with pytest.raises(ValueError, match="'lr_schedule' must be one of"):
         TrainConfig.from_dict({"lr_schedule": "linear"})
+
+
+def test_config_values_are_read_as_their_flags_are():
+    """YAML reads 3e-4 as a string (no dot): it must still be a number, and a wrong type an error naming the key
+    at set-up, not a TypeError mid-run."""
+    cfg = TrainConfig.from_dict({"learning_rate": "3e-4", "target_loss": "1e-3", "batch_size": "8", "use_amp": "no"})
+    assert (cfg.learning_rate, cfg.target_loss, cfg.batch_size, cfg.use_amp) == (3e-4, 1e-3, 8, False)
+    for bad, message in [({"batch_size": 8.5}, "'batch_size' expects int, got 8.5"),
+                         ({"learning_rate": "fast"}, "'learning_rate' expects float, got 'fast'"),
+                         ({"use_amp": 2}, "'use_amp' expects bool, got 2"),
+                         ({"max_steps": True}, "'max_steps' expects int, got True"),
+                         ({"run_name": None}, "'run_name' must not be null"),
+                         ({"min_delta": float("nan")}, "'min_delta' must be a finite number")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            TrainConfig.from_dict(bad)
+
+
+def test_a_stop_verdict_at_the_last_step_is_still_a_completed_run(tmp_path, no_launch_env):
+    summary = DDPTrainer(config={**QUICK, **dirs(tmp_path), "max_steps": 6, "val_interval": 3, "patience": 1,
+                                 "min_delta": 10.0}).train()
+    assert summary["status"] == "completed" and summary["steps"] == 6
+
+
+def _empty_test_shard(rank, world_size, root):
+    data = _markov(QUICK)
+    test = torch.utils.data.Subset(data.test, [0])  # rank 1's shard of it is empty
+    trainer = DDPTrainer(rank=rank, world_size=world_size, config={**QUICK, **dirs(Path(root)), "max_steps": 2,
+                                                                    "val_interval": 0},
+                         model=CausalLM(64, 32, 2, 2, 32), train_dataset=data.train, val_dataset=data.val,
+                         test_dataset=test)
+    return trainer.train()["test_loss"]
+
+
+@pytest.mark.multi
+def test_a_rank_with_an_empty_test_shard_adds_nothing_to_the_test_loss(tmp_path):
+    from ddp_training import evaluate_model, lm_loss
+    losses = spawn(_empty_test_shard, 2, str(tmp_path), timeout=120)
+    model = CausalLM(64, 32, 2, 2, 32)
+    model.load_state_dict(torch.load(tmp_path / "ckpt" / "model_final.pt", weights_only=True)["model"])
+    sample = torch.utils.data.Subset(_markov(QUICK).test, [0])
+    alone = evaluate_model(model, torch.utils.data.DataLoader(sample, batch_size=16), lm_loss, torch.device("cpu"))
+    assert losses[0] == losses[1] == pytest.approx(alone["loss"], rel=1e-6)
 
 
 def test_resolved_config_and_example_configs_load(tmp_path, no_launch_env):
@@ -296,6 +342,11 @@ def test_cli_precedence_defaults_yaml_flags(tmp_path):
     (["--max_steps", "-3"], "'max_steps' must be >= 0, got -3"),
     (["--lr", "0"], "'learning_rate' must be > 0, got 0.0"),
     (["--bucket_cap_mb", "0"], "'bucket_cap_mb' must be > 0, got 0.0"),
+    (["--weight_decay", "nan"], "'weight_decay' must be a finite number, got nan"),
+    (["--dist_timeout", "inf"], "'dist_timeout' must be a finite number, got inf"),
+    (["--checkpoint_prefix", "../up"], "'checkpoint_prefix' must be letters, digits"),
+    (["--checkpoint_prefix", "m[1]"], "'checkpoint_prefix' must be letters, digits"),
+    (["--vocab_size", "0"], "'vocab_size' must be >= 1, got 0"),
     (["--val_fraction", "1.5"], "'val_fraction' must be in [0, 1)"),
     (["--min_lr_ratio", "2"], "'min_lr_ratio' must be in [0, 1]"),
     (["--nproc", "0"], "--nproc must be >= 1, got 0"),
