@@ -19,7 +19,9 @@ Plot layout: the default loss-curve figure has one row per run (train loss, val 
 second y axis); --compare puts every run in one axes instead. A --metrics grid has one subplot per metric
 and always overlays the runs. --x epoch is step / steps per epoch, as the trainer states it in val and
 summary records (or where the records' steps and epochs pin it down); without it, it is an error. Bad input (no metrics.jsonl, a corrupt line, an unknown metric) exits with status 2 and a message; a
-cut-short last line (a run killed mid-write) only warns; plot leaves out runs with no records yet.
+cut-short or non-UTF-8 last line (a run killed mid-write) only warns, as does a record whose step is not a
+whole number (it is skipped); plot leaves out runs with no records yet. The loss of a step the trainer skipped
+("skipped": true) is not a measurement: curves leave it out.
 
 Everything the CLI does is importable: load_run, summarize, format_summaries, series, plot_loss_curves,
 plot_metrics.
@@ -81,32 +83,48 @@ class Run:
 def read_metrics(path) -> list:
     """The records of one metrics.jsonl, in file order.
 
-    A last line that does not parse is what a run killed mid-write leaves behind: it is skipped with a
-    warning. A bad line anywhere else means the file is damaged, and that is an error.
+    A last line that does not parse (not JSON, or not even UTF-8) is what a run killed mid-write leaves
+    behind: it is skipped with a warning. A bad line anywhere else means the file is damaged, and that is an
+    error. A record whose step is not a whole number has no place on any axis: skipped with a warning.
     """
     path = Path(path)
-    lines = path.read_text().splitlines()
+    # Split bytes, decode each line: one torn line must not make the whole file unreadable.
+    lines = path.read_bytes().splitlines()
     while lines and not lines[-1].strip():
         lines.pop()
     if not lines:
         raise NoRecords(f"{path} is empty (the run wrote no records yet)")
     records = []
     for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            if lineno == len(lines):
-                warn(f"{path}:{lineno}: last line is cut short (run killed mid-write?); skipped")
-                continue
-            raise LogError(f"{path}:{lineno}: not a JSON record ({exc.msg}): {line[:80]!r}") from None
-        if not isinstance(rec, dict) or "type" not in rec:
-            raise LogError(f"{path}:{lineno}: expected a JSON object with a \"type\" key, got {line[:80]!r}")
-        records.append(rec)
+        rec = parse_line(path, lineno, line, last=lineno == len(lines)) if line.strip() else None
+        if rec is not None:
+            records.append(rec)
     if not records:
         raise NoRecords(f"{path} holds no complete record yet")
     return records
+
+
+def parse_line(path: Path, lineno: int, line: bytes, last: bool) -> Optional[dict]:
+    """The record on one line of metrics.jsonl, or None for one skipped with a warning."""
+    try:
+        rec = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        if last:
+            warn(f"{path}:{lineno}: last line is cut short (run killed mid-write?); skipped")
+            return None
+        why = "not UTF-8" if isinstance(exc, UnicodeDecodeError) else exc.msg
+        raise LogError(f"{path}:{lineno}: not a JSON record ({why}): {_shown(line)}") from None
+    if not isinstance(rec, dict) or "type" not in rec:
+        raise LogError(f"{path}:{lineno}: expected a JSON object with a \"type\" key, got {_shown(line)}")
+    step = rec.get("step", 0)
+    if isinstance(step, bool) or not isinstance(step, int):
+        warn(f"{path}:{lineno}: step {step!r} is not a whole number; record skipped")
+        return None
+    return rec
+
+
+def _shown(line: bytes) -> str:
+    return repr(line[:80].decode("utf-8", errors="replace"))
 
 
 def last_session(records: list, path) -> list:
@@ -312,9 +330,20 @@ def _fmt(key: str, v) -> str:
     return str(v)
 
 
+def _json_safe(v):
+    """NaN and infinities as null: strict JSON has no spelling for them (a diverged run's val loss is NaN)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_safe(x) for x in v]
+    return v
+
+
 def format_summaries(rows: list, fmt: str = "one-line") -> str:
     if fmt == "json":
-        return json.dumps(rows, indent=2)
+        return json.dumps(_json_safe(rows), indent=2, allow_nan=False)
     if fmt == "one-line":
         lines = []
         for r in rows:
@@ -397,21 +426,30 @@ def check_x_axis(runs: list, x: str) -> None:
                            f"Use --x step or --x time")
 
 
+def measured(rec: dict, metric: str) -> bool:
+    """Whether rec holds a value of metric. A step the trainer skipped (non-finite loss, GradScaler overflow)
+    logs the loss it zeroed in its tally, and the loss extras with it: those are not measurements."""
+    v = rec.get(metric)
+    if rec.get("skipped") is True and rec["type"] == "train" and metric.endswith("loss"):
+        return False
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
 def series(run: Run, metric: str, x: str = "step", smooth: int = 1, kind: Optional[str] = None):
     """The (xs, ys) plotted for one metric of one run.
 
     kind is the record type to read ("train"/"val"); by default the one that holds the metric. Points whose
-    value is missing or not finite (a skipped non-finite step) are left out, so a moving average is not
+    value is missing, null, not finite or the loss of a skipped step are left out, so a moving average is not
     poisoned by them. Only train series are smoothed: validation points are few and already averages.
     """
     if kind is None:
         kind = "train" if any(metric in r for r in run.train) else "val"
     xs, ys = [], []
     for rec in run.records(kind):
-        v, xv = rec.get(metric), x_value(run, rec, x)
-        if isinstance(v, (int, float)) and math.isfinite(v) and xv is not None:
+        xv = x_value(run, rec, x)
+        if measured(rec, metric) and xv is not None:
             xs.append(xv)
-            ys.append(float(v))
+            ys.append(float(rec[metric]))
     if kind == "train" and smooth > 1:
         ys = moving_average(ys, smooth)
     return xs, ys

@@ -382,3 +382,68 @@ def test_summary_reports_the_median_mfu_of_cuda_runs(tmp_path, capsys):
     header, _, gpu_row, cpu_row = capsys.readouterr().out.strip().splitlines()
     cells = lambda line: dict(zip(tl.SUMMARY_FIELDS, (c.strip() for c in line.strip("|").split("|"))))  # noqa: E731
     assert " mfu |" in header and cells(gpu_row)["mfu"] == "0.250" and cells(cpu_row)["mfu"] == "-"
+
+
+def test_skipped_steps_leave_no_loss_points(tmp_path):
+    """A step the trainer skipped logs the loss it zeroed in its tally (and the loss extras with it): no
+    measurement, so no point on a curve and no weight in a moving average. A null loss is no value either."""
+    recs = train_recs(range(1, 7), spe=100)
+    for r in recs:
+        r.update(jloss=r["loss"] / 2, skipped=False)
+    recs[2].update(loss=0.0, jloss=0.0, skipped=True, grad_norm=float("nan"))  # step 3: non-finite, zeroed
+    recs[4]["loss"] = None  # step 5: a trainer that writes null for a skipped step's loss
+    run = tl.load_run(write_run(tmp_path / "skips", recs))
+    kept = [r for r in recs if r["step"] not in (3, 5)]
+    assert tl.series(run, "loss") == ([r["step"] for r in kept], [r["loss"] for r in kept])
+    assert 3 not in tl.series(run, "jloss")[0]
+    _, smoothed = tl.series(run, "loss", smooth=2)
+    assert smoothed[2] == pytest.approx((kept[1]["loss"] + kept[2]["loss"]) / 2)  # steps 2 and 4, not 0.0
+    # the step still happened: lr and the step count keep it
+    assert 3 in tl.series(run, "lr")[0] and tl.summarize(run)["steps"] == 6
+
+
+def test_last_line_not_utf8_warns_and_works(tmp_path, capsys):
+    d = write_run(tmp_path / "torn", train_recs(range(1, 5), spe=100))
+    path = d / "metrics.jsonl"
+    with open(path, "ab") as f:
+        f.write(b'{"type": "train", "step": 5, "lo\xff\xfe\x80')  # killed mid-write, torn bytes
+    assert tl.main(["summary", str(d), "--format", "json"]) == 0
+    out = capsys.readouterr()
+    assert f"{path}:5: last line is cut short" in out.err and "skipped" in out.err
+    assert json.loads(out.out)[0]["steps"] == 4
+
+    # the same bytes before other records: the file is damaged, an error with the line number
+    path.write_bytes(b'{"type": "train", "step": 1, "lo\xff\xfe\n' + path.read_bytes())
+    assert tl.main(["summary", str(d)]) == 2
+    assert f"{path}:1: not a JSON record (not UTF-8)" in capsys.readouterr().err
+
+
+def test_record_whose_step_is_not_a_whole_number_is_skipped(tmp_path, capsys):
+    recs = train_recs(range(1, 7), spe=100)
+    recs[1]["step"] = None
+    recs[3]["step"] = "4"
+    recs[4]["step"] = 4.5
+    path = write_run(tmp_path / "steps", recs) / "metrics.jsonl"
+    run = tl.load_run(path.parent)
+    assert [r["step"] for r in run.train] == [1, 3, 6]
+    err = capsys.readouterr().err
+    for lineno, step in ((2, "None"), (4, "'4'"), (5, "4.5")):
+        assert f"{path}:{lineno}: step {step} is not a whole number; record skipped" in err
+    assert tl.main(["summary", str(path.parent)]) == 0
+    assert "6 steps" in capsys.readouterr().out
+
+
+def test_summary_json_is_strict_json_for_a_diverged_run(tmp_path, capsys):
+    """NaN and infinities are not JSON: a diverged run's values are null."""
+    recs = train_recs(range(1, 5), spe=100) + [
+        {"type": "val", "step": 4, "epoch": 0, "val_loss": float("nan"), "time": 4.5},
+        {"type": "summary", "status": "completed", "steps": 4, "final_val_loss": float("nan"),
+         "best_val_loss": 3.5, "test_loss": float("inf"), "wall_time_s": 5.0}]
+    d = write_run(tmp_path / "nan", recs)  # json.dumps writes NaN/Infinity, as the trainer's writer may
+    assert tl.main(["summary", str(d), "--format", "json"]) == 0
+
+    def refuse(name):
+        raise ValueError(f"{name} in JSON output")
+    (row,) = json.loads(capsys.readouterr().out, parse_constant=refuse)
+    assert row["final_val_loss"] is None and row["test_loss"] is None and row["best_val_loss"] == 3.5
+    assert row["steps"] == 4
