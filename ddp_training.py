@@ -980,8 +980,6 @@ class DDPTrainer:
         grads = [p.grad for _, p in self.named_params]
         grads = [g for g in grads if g is not None]
         raw_norm = torch.nn.utils.get_total_norm(grads).double()
-        if self.scaler is None:  # with a GradScaler, inf gradients are its normal business
-            tally.nonfinite = torch.maximum(tally.nonfinite, (~torch.isfinite(raw_norm)).double())
         names = self._extra_names(tally.names)
         if tally.names != names and fatal is None:  # the all-reduce below packs `names`, the same on every rank
             fatal = (f"loss_fn returned the extras {tally.names} at step {self.global_step + 1}, but {names} at "
@@ -999,14 +997,16 @@ class DDPTrainer:
         result = {"count": g_count, "loss": g_loss / max(g_count, 1.0), "stop": g_stop > 0,
                   "extras": {n: v / max(g_count, 1.0) for n, v in zip(names, reduced[8:])}}
 
-        scaler_overflow = self.scaler is not None and not math.isfinite(raw_norm_value)
-        if g_oom or g_nonfinite > 0 or g_count == 0 or scaler_overflow:
+        # DDP averaged the gradients, so every rank reads the same norm and takes the same decision from it
+        bad_grads = not math.isfinite(raw_norm_value)
+        scaler_overflow = self.scaler is not None and bad_grads  # with a GradScaler, its normal business
+        nonfinite = (g_nonfinite > 0 or (bad_grads and self.scaler is None)) and not g_oom
+        if g_oom or nonfinite or g_count == 0 or scaler_overflow:
             self.optimizer.zero_grad(set_to_none=True)
             if self.scaler:
                 self.scaler.update()
-            result.update(skipped=True, nonfinite=g_nonfinite > 0 and not g_oom, grad_norm=float("nan"),
-                          retry=bool(g_oom))
-            if result["nonfinite"]:  # the tally left the non-finite losses out: what it holds is no measurement
+            result.update(skipped=True, nonfinite=nonfinite, grad_norm=float("nan"), retry=bool(g_oom))
+            if g_nonfinite > 0:  # the tally left the non-finite losses out: what it holds is no measurement
                 result["loss"], result["extras"] = float("nan"), dict.fromkeys(names, float("nan"))
             return result
         # DDP averaged the per-rank sums: grad = (1/W) sum S / B. Make it sum S / N.
