@@ -35,6 +35,9 @@ MAX_DRAG = 0.35
 CURSOR_SIGMA = 0.15
 # (kx, ky) frequencies of the content pattern
 CONTENT_FREQS = np.array([[1, 0], [0, 1], [1, 1], [1, -1], [2, 0], [0, 2]], dtype=np.float64)
+# --noise may reach at most this many standard deviations below the dtype's largest value: numpy's float32
+# normal sampler does not draw beyond about 8.3, and a chunk that still overflows is refused, not written
+NOISE_SIGMAS = 10
 # float32 elements of one embedding chunk in flight (64 MiB); bounds memory for the real geometry
 CHUNK_ELEMENTS = 1 << 24
 SPLITS = ("train", "val")
@@ -80,6 +83,10 @@ class World:
 
     def embed(self, states):
         return np.tanh(self.features(states) @ self.w1 + self.b1) @ self.w2
+
+    def bound(self):
+        """The largest |token value| embed can give: tanh is within [-1, 1]."""
+        return float(np.abs(self.w2).sum(0).max())
 
 # -----------------------------------------------------------------------------------------------------------------
 # the dynamics
@@ -148,7 +155,12 @@ def embedding_chunks(world, states, rng, noise, dtype):
         emb = world.embed(states[i:i + rows])
         if noise > 0:
             emb += noise * rng.standard_normal(emb.shape, dtype=np.float32)
-        yield emb.astype(dtype)
+        with np.errstate(over="ignore"):  # an overflow is reported below, naming the flags
+            out = emb.astype(dtype)
+        if not np.isfinite(out).all():
+            raise ValueError(f"--noise {noise:g} with --dtype {np.dtype(dtype).name} gave embeddings beyond the "
+                             f"dtype's range, which the loader refuses; expected a smaller --noise or float32")
+        yield out
 
 
 def write_npy_member(zf, key, shape, dtype, chunks):
@@ -165,11 +177,15 @@ def write_file(path, world, rng, n, steps, actions_per_step, channels, dtype, co
     emb_shape = (n, steps, len(world.pos), world.w2.shape[1])
     # a crash mid-write leaves a .tmp behind, never a half-written .npz that the loader would pick up
     tmp = path.with_name(path.name + ".tmp")
-    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED) as zf:
-        write_npy_member(zf, "embeddings", emb_shape, dtype, embedding_chunks(world, states, rng, noise, dtype))
-        write_npy_member(zf, "actions", actions.shape, np.float32, [actions])
-        if save_states:
-            write_npy_member(zf, "states", states.shape, np.float32, [states])
+    try:
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED) as zf:
+            write_npy_member(zf, "embeddings", emb_shape, dtype, embedding_chunks(world, states, rng, noise, dtype))
+            write_npy_member(zf, "actions", actions.shape, np.float32, [actions])
+            if save_states:
+                write_npy_member(zf, "states", states.shape, np.float32, [states])
+    except Exception:
+        tmp.unlink(missing_ok=True)  # a refused file leaves nothing behind
+        raise
     os.replace(tmp, path)
     return emb_shape, actions.shape
 
@@ -185,6 +201,24 @@ def check_geometry(steps, patches, embed_dim, actions_per_step, channels):
                          f"got {patches}, {embed_dim}, {actions_per_step}")
 
 
+def check_noise(noise, dtype, world):
+    """Refuses a --noise that could push token values past the largest finite value of the storage dtype."""
+    if not (math.isfinite(noise) and noise >= 0):
+        raise ValueError(f"--noise must be a finite number >= 0, got {noise}")
+    name, top = np.dtype(dtype).name, float(np.finfo(dtype).max)
+    largest = round_down((top - world.bound()) / NOISE_SIGMAS)
+    if noise > largest:
+        other = " (or --dtype float32)" if name == "float16" else ""
+        raise ValueError(f"--noise {noise:g} with --dtype {name} could give embeddings beyond {name}'s largest "
+                         f"value {top:g}, which the loader refuses as inf; expected --noise <= {largest:g}{other}")
+
+
+def round_down(x, digits=3):
+    """x rounded down to `digits` significant digits, so the bound a message prints is itself accepted."""
+    unit = 10.0 ** (math.floor(math.log10(x)) - digits + 1)
+    return float(f"{math.floor(x / unit) * unit:.{digits}g}")
+
+
 def generate(output_dir, num_files=3, trajectories_per_file=10, seed=0,
              steps=config.SMALL_NUM_STEPS, patches=config.SMALL_PATCHES_PER_STEP,
              embed_dim=config.SMALL_EMBED_DIM, actions_per_step=config.SMALL_ACTIONS_PER_STEP,
@@ -198,10 +232,11 @@ def generate(output_dir, num_files=3, trajectories_per_file=10, seed=0,
     Extra action channels beyond [x, y, touch] are zero.
     """
     check_geometry(steps, patches, embed_dim, actions_per_step, channels)
+    world = World(patches, embed_dim, world_seed)
+    check_noise(noise, dtype, world)
     output_dir = Path(output_dir)
     check_output_dir(output_dir, split, num_files)
     output_dir.mkdir(parents=True, exist_ok=True)
-    world = World(patches, embed_dim, world_seed)
     paths = []
     for index, name in enumerate(file_names(split, num_files)):
         path = output_dir / name
@@ -273,8 +308,12 @@ def parse_args(argv=None):
         if getattr(args, flag) < 1:
             p.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     for flag in ("noise", "val_fraction"):
+        if not math.isfinite(getattr(args, flag)):  # nan passes every comparison check below
+            p.error(f"--{flag} must be a finite number, got {getattr(args, flag)}")
         if getattr(args, flag) < 0:
             p.error(f"--{flag} must be >= 0, got {getattr(args, flag)}")
+    if args.val_fraction > 1:
+        p.error(f"--val_fraction must be in [0, 1], got {args.val_fraction}")
     try:
         check_geometry(*resolve_geometry(args).values())
     except ValueError as exc:

@@ -152,10 +152,24 @@ def check_zip_magic(path):
                             f"by np.savez with keys 'embeddings' and 'actions'")
 
 
+def member_name(path, zf, key):
+    """
+    The one zip member holding `key`. np.load(path)[key] reads a bare `key` member before `key.npy`, so with
+    both present what is checked and what is read could differ (a valid .npy beside a NaN bare member):
+    an archive holding both, or one name twice, is refused as ambiguous.
+    """
+    names = [name for name in zf.namelist() if name in (key, key + ".npy")]
+    if len(names) != 1:
+        raise DataFileError(f"{path}: key '{key}' is held by {len(names)} zip members "
+                            f"({', '.join(map(repr, names))}); expected exactly one ('{key}.npy' as np.savez "
+                            f"writes it)")
+    return names[0]
+
+
 def read_member(path, zf, key, max_ratio, max_bytes):
     """Reads and checks the .npy header of `key`, without decompressing its data."""
-    name = key + ".npy" if key + ".npy" in zf.namelist() else key
-    info = zf.getinfo(name)
+    info = zf.getinfo(member_name(path, zf, key))
+    name = info.filename
     if info.flag_bits & 0x1:
         raise DataFileError(f"{path}: key '{key}' is encrypted; expected a plain .npy member")
     if info.file_size > max_ratio * max(info.compress_size, 1):
@@ -493,5 +507,26 @@ class StoredFile:
 
 
 def load_file(info):
-    with np.load(info.path, allow_pickle=False) as npz:
-        return tuple(npz[k] for k in KEYS)
+    """Both arrays of a deflated file, read from exactly the members that were validated (not np.load's pick)."""
+    with zipfile.ZipFile(info.path) as zf:
+        return tuple(read_npy(zf, info.members[k].name) for k in KEYS)
+
+
+def read_npy(zf, name):
+    with zf.open(name) as fp:
+        return np.lib.format.read_array(fp, allow_pickle=False)
+
+
+def data_fingerprint(path):
+    """
+    ((CRC-32, size) of each of KEYS' members), as the zip's central directory records them: equal for two
+    files holding the same arrays (a copy, or the same .npy data stored another way). None for a file that is
+    not a readable zip with one member per key; the loader reports such files. Costs one small read per file.
+    """
+    try:
+        with zipfile.ZipFile(path) as zf:
+            infos = zf.infolist()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError):
+        return None
+    members = [[(i.CRC, i.file_size) for i in infos if i.filename in (k, k + ".npy")] for k in KEYS]
+    return tuple(m[0] for m in members) if all(len(m) == 1 for m in members) else None

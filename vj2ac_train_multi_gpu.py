@@ -20,6 +20,8 @@ holding `predictor`, `global_step`, `predictor_config` and `val_loss` once a val
 
 import argparse
 import json
+import math
+import numbers
 import sys
 from contextlib import contextmanager
 from functools import partial
@@ -33,7 +35,7 @@ from torch.utils.data import Dataset
 import config
 import ddp_runtime as rt
 from ddp_training import DDPTrainer, evaluate_model
-from vj2_dataloader import VJ2TrajectoryDataset, list_files
+from vj2_dataloader import VJ2TrajectoryDataset, data_fingerprint, list_files
 
 # -----------------------------------------------------------------------------------------------------------------
 # the predictor
@@ -75,11 +77,9 @@ class ACPredictor(nn.Module):
 
     def __init__(self, embed_dim, num_patches, action_dim, max_steps, predictor_dim, depth, num_heads, mlp_ratio=4):
         super().__init__()
-        if predictor_dim % num_heads:
-            raise ValueError(f"predictor_dim={predictor_dim} must be divisible by num_heads={num_heads}")
-        self.config = dict(embed_dim=embed_dim, num_patches=num_patches, action_dim=action_dim,
-                           max_steps=max_steps, predictor_dim=predictor_dim, depth=depth, num_heads=num_heads,
-                           mlp_ratio=mlp_ratio)
+        self.config = checked_config(dict(embed_dim=embed_dim, num_patches=num_patches, action_dim=action_dim,
+                                          max_steps=max_steps, predictor_dim=predictor_dim, depth=depth,
+                                          num_heads=num_heads, mlp_ratio=mlp_ratio))
         self.patch_in = nn.Linear(embed_dim, predictor_dim)
         self.action_in = nn.Linear(action_dim, predictor_dim)
         self.patch_pos = nn.Parameter(torch.zeros(num_patches, predictor_dim))
@@ -139,6 +139,19 @@ class ACPredictor(nn.Module):
         return jloss, sloss
 
 
+def checked_config(cfg):
+    """
+    The predictor's config with every value an int >= 1 and predictor_dim divisible by num_heads; a checkpoint
+    brings its own, so a bad one is a ValueError here rather than an error deep inside the first forward.
+    """
+    for key, value in cfg.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"predictor_config {key} must be an integer >= 1, got {value!r}")
+    if cfg["predictor_dim"] % cfg["num_heads"]:
+        raise ValueError(f"predictor_dim={cfg['predictor_dim']} must be divisible by num_heads={cfg['num_heads']}")
+    return {key: int(value) for key, value in cfg.items()}
+
+
 def vj2_loss(model, batch, rollout_horizon):
     """DDPTrainer's contract: (sum over samples of jloss + sloss, samples, {name: sum})."""
     embeddings, actions = batch
@@ -172,18 +185,50 @@ def load_dataset(flag, path, args, logger=None):
 def check_disjoint(args):
     """
     Refuses training and validation data that share a file: the validation loss would then score trajectories
-    the predictor trained on and hide overfitting. Runs on the file lists, before any file is read.
+    the predictor trained on and hide overfitting. A file is shared under another name too: a hard link, or
+    a copy (same data members). Runs before any data is read: a stat and the zip directory per file.
     """
-    files = []
-    for flag, data_dir in (("--processed_data_dir", args.processed_data_dir),
-                           ("--validation_data_dir", args.validation_data_dir)):
-        with blamed_on(flag):
-            files.append({path.resolve() for path in list_files(data_dir)})
-    shared = sorted(files[0] & files[1])
+    train, val = (file_identities(flag, data_dir)
+                  for flag, data_dir in (("--processed_data_dir", args.processed_data_dir),
+                                         ("--validation_data_dir", args.validation_data_dir)))
+    seen = {}
+    for path, identities in train:
+        for identity in identities:
+            seen.setdefault(identity, path)
+    shared = []
+    for path, identities in val:
+        match = next((identity for identity in identities if identity in seen), None)
+        if match:
+            shared.append((seen[match], path, match[0]))
     if shared:
+        train_file, val_file, reason = shared[0]
+        example = val_file if train_file == val_file else f"{train_file} and {val_file}: {reason}"
         raise BadInput(f"--processed_data_dir {args.processed_data_dir} and --validation_data_dir "
-                       f"{args.validation_data_dir} share {len(shared)} .npz files (e.g. {shared[0]}); expected "
+                       f"{args.validation_data_dir} share {len(shared)} .npz files (e.g. {example}); expected "
                        f"disjoint training and validation data")
+
+
+def file_identities(flag, data_dir):
+    """
+    [(path, [(reason, key)])] for the files of data_dir: two files sharing a (reason, key) are one file,
+    checked in the order listed so the plainest reason is the one reported. What cannot be read gives no key;
+    the loader reports such a file (honouring --skip_bad_files).
+    """
+    with blamed_on(flag):
+        paths = [path.resolve() for path in list_files(data_dir)]
+    out = []
+    for path in paths:
+        identities = [("the same path", path)]
+        try:
+            st = path.stat()
+            identities.append(("the same file (a hard link)", (st.st_dev, st.st_ino)))
+        except OSError:
+            pass
+        fingerprint = data_fingerprint(path)
+        if fingerprint is not None:
+            identities.append(("a copy (same CRC-32 and size of 'embeddings' and 'actions')", fingerprint))
+        out.append((path, identities))
+    return out
 
 
 class ShuffledActions(Dataset):
@@ -227,6 +272,8 @@ TEST_DEFAULTS = dict(max_steps=20, val_every_iters=10, preset="tiny", run_name="
 # default --lr per preset: the small ones train fast on the synthetic data; a 300M-parameter predictor needs a
 # conservative rate
 PRESET_LR = {"tiny": 1e-2, "small": 5e-3, "vjepa2_ac": 4e-4}
+# c10d holds the timeout in int64 nanoseconds (at most 9.2e9 s: 1e10 s already fails in the process group)
+MAX_DIST_TIMEOUT_S = 1e9
 
 
 def build_parser():
@@ -299,6 +346,10 @@ def parse_args(argv=None):
         parser.error("--device cuda: CUDA is not available (use --device cpu --dist-backend gloo)")
     if args.device == "cpu" and args.dist_backend == "nccl":
         parser.error("--dist-backend nccl needs CUDA; use gloo with --device cpu")
+    # nan passes every comparison below, and inf trained to NaN weights or overflowed a timedelta later
+    for flag in float_flags(parser):
+        if not math.isfinite(getattr(args, flag)):
+            parser.error(f"--{flag} must be a finite number, got {getattr(args, flag)}")
     for flag in ("batch_size", "rollout_horizon", "depth", "num_heads", "predictor_dim", "grad_accum_steps"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
@@ -309,9 +360,16 @@ def parse_args(argv=None):
     for flag in ("lr", "dist_timeout"):
         if not getattr(args, flag) > 0:
             parser.error(f"--{flag} must be > 0, got {getattr(args, flag)}")
+    if args.dist_timeout > MAX_DIST_TIMEOUT_S:
+        parser.error(f"--dist_timeout must be <= {MAX_DIST_TIMEOUT_S:g} seconds, got {args.dist_timeout:g}")
     if args.predictor_dim % args.num_heads:
         parser.error(f"--predictor_dim {args.predictor_dim} must be divisible by --num_heads {args.num_heads}")
     return args
+
+
+def float_flags(parser):
+    """Every flag parsed as a float (read from the parser, so a new one is checked too)."""
+    return [action.dest for action in parser._actions if action.type is float]
 
 
 def train_config(args):
@@ -385,7 +443,7 @@ def load_predictor(path):
         ckpt = rt.load_checkpoint(path)  # weights_only=True, checks the .sha256 sidecar
         predictor = ACPredictor(**ckpt["predictor_config"])
         predictor.load_state_dict(ckpt["predictor"])
-    except (rt.CheckpointError, KeyError, TypeError, RuntimeError) as exc:
+    except (rt.CheckpointError, KeyError, TypeError, ValueError, ArithmeticError, RuntimeError) as exc:
         raise BadInput(f"--evaluate {path}: not a usable predictor checkpoint "
                        f"({type(exc).__name__}: {exc})") from exc
     return predictor

@@ -3,7 +3,9 @@
 import io
 import logging
 import pickle
+import re
 import sys
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -68,6 +70,46 @@ def test_cli_current_dir_bad_flags_and_leftover_files(tmp_path, monkeypatch, cap
         with pytest.raises(SystemExit) as exc:
             gen.main(["--output_dir", "x", *argv])
         assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--noise", "nan"], "--noise must be a finite number, got nan"),
+    (["--noise", "inf"], "--noise must be a finite number, got inf"),
+    (["--val_fraction", "nan"], "--val_fraction must be a finite number, got nan"),
+    (["--val_fraction", "inf"], "--val_fraction must be a finite number, got inf"),
+    (["--val_fraction", "1.5"], "--val_fraction must be in [0, 1], got 1.5"),
+])
+def test_cli_refuses_non_finite_and_out_of_range_float_flags(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        gen.main(["--output_dir", str(tmp_path / "out"), *argv])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("dtype, noise", [("float16", "1e6"), ("float16", "7000"), ("float32", "1e38")])
+def test_noise_that_would_overflow_the_dtype_is_refused_before_writing(tmp_path, capsys, dtype, noise):
+    # the loader refuses inf, so such a file would be written only to be rejected at training time
+    out = tmp_path / "out"
+    argv = ["--output_dir", str(out), "--num_files", "2", "--trajectories_per_file", "2", "--num_steps", "3",
+            "--patches", "2", "--embed_dim", "4", "--actions_per_step", "2", "--dtype", dtype, "--noise", noise,
+            "--val_fraction", "0.5"]
+    assert gen.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--noise {float(noise):g} with --dtype {dtype}" in err and "expected --noise <=" in err
+    assert not out.exists() and not (tmp_path / "out_val").exists()
+    # the largest noise the message allows writes files the loader accepts
+    allowed = float(re.search(r"expected --noise <= ([0-9.e+-]+)", err).group(1))
+    argv[argv.index(noise)] = str(allowed)
+    assert gen.main(argv) == 0
+    VJ2TrajectoryDataset(out)
+
+
+def test_a_chunk_that_overflows_the_dtype_is_not_written(tmp_path, monkeypatch):
+    # the bound on --noise leaves a margin of NOISE_SIGMAS standard deviations; past it, the file is refused
+    monkeypatch.setattr(gen, "check_noise", lambda *args: None)
+    with pytest.raises(ValueError, match="--noise 1e\\+06 with --dtype float16 gave embeddings beyond"):
+        gen.generate(tmp_path, num_files=1, trajectories_per_file=2, noise=1e6, **SMALL)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_cli_refuses_a_validation_set_in_the_training_directory(tmp_path, monkeypatch, capsys):
@@ -400,6 +442,56 @@ def test_bad_file_gets_an_error_naming_file_and_key(tmp_path, kind):
     assert not (tmp_path / "unpickled").exists()
     with pytest.raises(DataFileError, match="bad.npz"):
         VJ2TrajectoryDataset(tmp_path)
+
+
+def npy(array):
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, array, allow_pickle=False)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("compression", [zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED])
+@pytest.mark.parametrize("second", ["embeddings", "embeddings.npy"])
+def test_a_key_held_by_two_members_is_refused(tmp_path, compression, second):
+    """np.load reads a bare 'embeddings' member before 'embeddings.npy': a valid .npy beside a NaN bare
+    member (or a second member of the same name) must not pass as the valid one."""
+    emb, act = good()
+    path = tmp_path / "twice.npz"
+    with warnings.catch_warnings(), zipfile.ZipFile(path, "w", compression) as zf:
+        warnings.simplefilter("ignore")  # zipfile warns about a duplicate name: that is the point
+        zf.writestr("embeddings.npy", npy(emb))
+        zf.writestr(second, npy(np.full_like(emb, np.nan)))
+        zf.writestr("actions.npy", npy(act))
+    assert np.isnan(load(path)["embeddings"]).all()  # what np.load would have trained on
+    with pytest.raises(DataFileError) as err:
+        validate_npz(path)
+    message = str(err.value)
+    assert str(path) in message and "key 'embeddings' is held by 2 zip members" in message
+    assert f"'embeddings.npy', '{second}'" in message and "expected exactly one" in message
+
+
+def test_a_deflated_file_is_read_from_the_member_that_was_validated(tmp_path):
+    path = gen.generate(tmp_path, num_files=1, trajectories_per_file=3, seed=2, compress=True, **SMALL)[0]
+    ds = VJ2TrajectoryDataset(tmp_path)
+    expected = load(path)["embeddings"]
+    # a bare 'embeddings' member added after validation is what np.load(path)["embeddings"] would return
+    with zipfile.ZipFile(path, "a", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("embeddings", npy(np.full_like(expected, np.nan)))
+    assert np.isnan(load(path)["embeddings"]).all()
+    assert ds.infos[0].members["embeddings"].name == "embeddings.npy"
+    for i in range(3):
+        assert np.array_equal(ds[i][0].numpy(), expected[i])
+
+
+def test_data_fingerprint_is_equal_for_copies_and_other_layouts_of_the_same_arrays(tmp_path):
+    a = gen.generate(tmp_path / "a", num_files=2, trajectories_per_file=2, seed=2, **SMALL)
+    (b,) = gen.generate(tmp_path / "b", num_files=1, trajectories_per_file=2, seed=2, compress=True, **SMALL)
+    fingerprints = [vj2_dataloader.data_fingerprint(p) for p in (*a, b)]
+    assert fingerprints[0] == fingerprints[2] and fingerprints[0] != fingerprints[1]
+    write_not_zip(tmp_path / "junk.npz")
+    write_missing_key(tmp_path / "half.npz")
+    assert vj2_dataloader.data_fingerprint(tmp_path / "junk.npz") is None
+    assert vj2_dataloader.data_fingerprint(tmp_path / "half.npz") is None
 
 
 def test_high_compression_ratio_is_refused(tmp_path):

@@ -2,7 +2,9 @@
 (validation loss, action conditioning, checkpoints, fail-fast input errors, the documented CPU command)."""
 
 import json
+import os
 import re
+import shutil
 import signal
 import sys
 import time
@@ -169,11 +171,23 @@ def test_cli_presets_test_mode_and_trainer_config(no_launch_env):
     (["--processed_data_dir", "t", "--validation_data_dir", "v", "--lr", "-1"], "--lr must be > 0"),
     (["--processed_data_dir", "t", "--validation_data_dir", "v", "--save_every_iters", "-1"],
      "--save_every_iters must be >= 0"),
+    # c10d counts the timeout in int64 nanoseconds: 1e10 s already fails inside the process group
+    (["--processed_data_dir", "t", "--validation_data_dir", "v", "--dist_timeout", "1e10"],
+     "--dist_timeout must be <= 1e+09 seconds"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         vj2.parse_args(argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--lr", "--weight_decay", "--dist_timeout"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_float_flags_must_be_finite(flag, value, capsys):
+    # nan passes every `< 0` check, and --lr inf trained to NaN weights with exit 0
+    with pytest.raises(SystemExit) as exc:
+        vj2.parse_args(["--processed_data_dir", "t", "--validation_data_dir", "v", f"{flag}={value}"])
+    assert exc.value.code == 2 and f"{flag} must be a finite number, got {value}" in capsys.readouterr().err
 
 # -----------------------------------------------------------------------------------------------------------------
 # real processes
@@ -308,6 +322,42 @@ def test_training_and_validation_data_sharing_a_file_is_refused(tmp_path, monkey
     assert f"(e.g. {tmp_path / 'train' / shared})" in err and "expected disjoint training and validation" in err
     assert "rank_0.log" in {p.name for p in (tmp_path / "ckpt").iterdir()}  # logged, then stopped
     assert not (tmp_path / "ckpt" / "vjepa2_final.pt").exists()
+
+
+@pytest.mark.parametrize("how, reason", [("hard link", "the same file (a hard link)"),
+                                         ("copy", "a copy (same CRC-32 and size of 'embeddings' and 'actions')")])
+def test_a_training_file_under_another_name_is_refused_as_validation_data(tmp_path, monkeypatch, no_launch_env,
+                                                                          capsys, how, reason):
+    make_vj2_data(tmp_path, 2, 4, 4)
+    monkeypatch.chdir(tmp_path)
+    source, target = tmp_path / "train" / "train_00001.npz", tmp_path / "val" / "val_00001.npz"
+    os.link(source, target) if how == "hard link" else shutil.copyfile(source, target)
+    code = vj2.main(["--device", "cpu", "--processed_data_dir", "train", "--validation_data_dir", "val",
+                     "--checkpoint_dir", "ckpt", "--max_steps", "1"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "--processed_data_dir train and --validation_data_dir val share 1 .npz files" in err
+    assert f"(e.g. {source} and {target}: {reason})" in err
+    assert not (tmp_path / "ckpt" / "vjepa2_final.pt").exists()
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(num_heads=3), "predictor_dim=32 must be divisible by num_heads=3"),
+    (dict(num_heads=0), "predictor_config num_heads must be an integer >= 1, got 0"),
+    # divides 32, builds and loads, and failed only in the forward pass
+    (dict(num_heads=-4), "predictor_config num_heads must be an integer >= 1, got -4"),
+])
+def test_evaluate_refuses_an_inconsistent_predictor_config(tmp_path, no_launch_env, capsys, change, message):
+    gen.generate(tmp_path / "val", num_files=1, trajectories_per_file=4, steps=T, patches=P, embed_dim=D,
+                 actions_per_step=A, channels=C)
+    model = tiny_predictor()
+    path = tmp_path / "bad.pt"
+    torch.save({"predictor": model.state_dict(), "global_step": 1,
+                "predictor_config": {**model.config, **change}}, path)
+    code = vj2.main(["--evaluate", str(path), "--validation_data_dir", str(tmp_path / "val"), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: --evaluate {path}: not a usable predictor checkpoint"), err
+    assert message in err
 
 
 def test_corrupt_file_is_named_and_can_be_skipped(tmp_path, no_launch_env):
