@@ -226,7 +226,7 @@ class TrainConfig:
                              f"got {self.checkpoint_prefix!r}")
 
 
-MAX_TIMEOUT_S = 1e7  # about 4 months; a larger one overflows the deadlines built from it
+MAX_TIMEOUT_S = 1e7  # about 4 months; c10d holds timeouts in int64 ns, and 1e10 s already fails there
 
 
 def _typed(key: str, value, tp):

@@ -34,7 +34,7 @@ from torch.utils.data import Dataset
 
 import config
 import ddp_runtime as rt
-from ddp_training import DDPTrainer, evaluate_model
+from ddp_training import MAX_TIMEOUT_S, DDPTrainer, evaluate_model
 from vj2_dataloader import VJ2TrajectoryDataset, data_fingerprint, list_files
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -272,8 +272,6 @@ TEST_DEFAULTS = dict(max_steps=20, val_every_iters=10, preset="tiny", run_name="
 # default --lr per preset: the small ones train fast on the synthetic data; a 300M-parameter predictor needs a
 # conservative rate
 PRESET_LR = {"tiny": 1e-2, "small": 5e-3, "vjepa2_ac": 4e-4}
-# c10d holds the timeout in int64 nanoseconds (at most 9.2e9 s: 1e10 s already fails in the process group)
-MAX_DIST_TIMEOUT_S = 1e9
 
 
 def build_parser():
@@ -347,7 +345,7 @@ def parse_args(argv=None):
     if args.device == "cpu" and args.dist_backend == "nccl":
         parser.error("--dist-backend nccl needs CUDA; use gloo with --device cpu")
     # nan passes every comparison below, and inf trained to NaN weights or overflowed a timedelta later
-    for flag in float_flags(parser):
+    for flag in [k for k, v in vars(args).items() if isinstance(v, float)]:  # a new float flag too
         if not math.isfinite(getattr(args, flag)):
             parser.error(f"--{flag} must be a finite number, got {getattr(args, flag)}")
     for flag in ("batch_size", "rollout_horizon", "depth", "num_heads", "predictor_dim", "grad_accum_steps"):
@@ -360,16 +358,13 @@ def parse_args(argv=None):
     for flag in ("lr", "dist_timeout"):
         if not getattr(args, flag) > 0:
             parser.error(f"--{flag} must be > 0, got {getattr(args, flag)}")
-    if args.dist_timeout > MAX_DIST_TIMEOUT_S:
-        parser.error(f"--dist_timeout must be <= {MAX_DIST_TIMEOUT_S:g} seconds, got {args.dist_timeout:g}")
+    if args.dist_timeout > MAX_TIMEOUT_S:
+        parser.error(f"--dist_timeout must be <= {MAX_TIMEOUT_S:g} seconds, got {args.dist_timeout:g}")
     if args.predictor_dim % args.num_heads:
         parser.error(f"--predictor_dim {args.predictor_dim} must be divisible by --num_heads {args.num_heads}")
     return args
 
 
-def float_flags(parser):
-    """Every flag parsed as a float (read from the parser, so a new one is checked too)."""
-    return [action.dest for action in parser._actions if action.type is float]
 
 
 def train_config(args):
