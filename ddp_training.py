@@ -842,6 +842,8 @@ class DDPTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, self.total_steps, cfg.warmup_steps, cfg.lr_schedule,
                                                 cfg.min_lr_ratio))
+        # what a resumed state's optimizer is set back to (read here: a state that fails half-way may change them)
+        self.configured_rates = [(g["initial_lr"], g["weight_decay"]) for g in self.optimizer.param_groups]
         self.amp_dtype = amp_dtype_for(cfg, env.device)
         self.scaler = torch.amp.GradScaler("cuda") if self.amp_dtype == torch.float16 else None
         self.memory = rt.MemoryManager(env.device, self.log, cfg.memory_check_interval,
@@ -866,6 +868,7 @@ class DDPTrainer:
         self.skipped_steps = 0
         self.last_val: Optional[float] = None
         self.last_val_step = -1
+        self.stopped_early = False  # the last validation stopped the run
         self.step_in_epoch = 0
         self.epoch_data_errors = 0
         self.local_errors: list = []
@@ -1205,7 +1208,7 @@ class DDPTrainer:
 
     STATE_COUNTERS = ("global_step", "epoch", "step_in_epoch", "best_val", "patience_ref", "bad_validations",
                       "epoch_data_errors",
-                      "consecutive_bad_steps", "skipped_steps", "last_val", "last_val_step")
+                      "consecutive_bad_steps", "skipped_steps", "last_val", "last_val_step", "stopped_early")
 
     def _resume(self) -> Optional[Path]:
         """Load the state `resume` points at (auto: the newest one that loads). Every rank must
@@ -1280,14 +1283,14 @@ class DDPTrainer:
             raise StateMismatch(f"{path} holds another model ({lines[1] if len(lines) > 1 else lines[0]} ...); "
                                 f"resuming it is refused (resume none or another run_name starts fresh; or use "
                                 f"the original model settings)") from exc
-        configured = [(g["initial_lr"], g["weight_decay"]) for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        self._apply_configured_rates(configured)
+        self._apply_configured_rates(self.configured_rates)
         if self.scaler and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
         counters = {"epoch_data_errors": 0, **state["counters"]}  # a state from before these were saved:
         counters.setdefault("patience_ref", counters["best_val"])    # best_val was the reference then
+        counters.setdefault("stopped_early", False)
         for k, v in counters.items():
             setattr(self, k, v)
         mine = state["rng"][self.env.rank]
@@ -1373,12 +1376,13 @@ class DDPTrainer:
         self.log.info("validation at step %d: loss %.5f (best %.5f)%s", self.global_step, res["loss"],
                       self.best_val, "" if floor is None else
                       f" [{'loss floor' if 'loss_floor' in self.data_info else 'unigram entropy'} {floor:.5f}]")
-        return self._early_stop()
+        self.stopped_early = self._early_stop()  # saved with the state: a resumed run knows it stopped here
+        return self.stopped_early
 
     def _early_stop(self) -> bool:
-        """The decision after the last validation. Every rank holds the same all-reduced loss, so the ranks
-        agree without more talk."""
-        if self.last_val_step != self.global_step:
+        """The verdict of the validation at this step, moot when no step is left. Every rank holds the same
+        all-reduced loss, so the ranks agree without more talk."""
+        if self.last_val_step != self.global_step or self.global_step >= self.total_steps:
             return False
         if self.cfg.target_loss is not None and self.last_val <= self.cfg.target_loss:
             self.log.info("target_loss %.5f reached: stopping", self.cfg.target_loss)
@@ -1405,10 +1409,7 @@ class DDPTrainer:
                 summary = self._nothing_to_do(finished)
             else:
                 rt.run_on_rank0(self._prepare_run_dir, what="preparing the run directory")
-                status = self._loop(stop_signal)
-                if status == "early_stopped" and self.global_step >= self.total_steps:
-                    status = "completed"  # the last validation's verdict came with no step left to skip
-                summary = self._finish(status)
+                summary = self._finish(self._loop(stop_signal))
             clean = True
         except BaseException as exc:
             self.log.error("training failed at step %d: %s: %s", self.global_step, type(exc).__name__, exc)
@@ -1493,7 +1494,8 @@ class DDPTrainer:
         window_t, window_steps = time.time(), 0
         gen = self.train_loader.generator
         bar = self._bar = self._progress_bar()
-        if self.resumed_from is not None and self._early_stop():  # decided when this state was saved
+        # the run stopped early here, and this run's patience/target_loss still say so (else it trains on)
+        if self.resumed_from is not None and self.stopped_early and self._early_stop():
             return "early_stopped"
         while self.global_step < self.total_steps:
             start = self.step_in_epoch
@@ -1810,12 +1812,15 @@ def build_arg_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> dict:
     """Defaults < YAML < --test preset < explicit flags."""
     cfg = config_from_yaml(args.config) if args.config else {}
+    file_run_name = cfg.get("run_name", TrainConfig.run_name)
     if args.test:
         cfg.update(TEST_PRESET)
     if args.cpu:
         cfg["device"] = "cpu"
     # Another run name (a flag, or --test's) is another run: the file's run dirs would mix their files
     renamed = "--run_name" if hasattr(args, "run_name") else "--test" if args.test else None
+    if getattr(args, "run_name", cfg.get("run_name")) == file_run_name:
+        renamed = None  # the file's own run: its dirs are this run's
     for key in ("log_dir", "checkpoint_dir") if renamed else ():
         if cfg.get(key) is not None and not hasattr(args, key):
             print(f"note: {renamed} replaces {key}={cfg[key]} of --config {args.config}", file=sys.stderr)

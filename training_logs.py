@@ -427,12 +427,11 @@ def check_x_axis(runs: list, x: str) -> None:
 
 
 def measured(rec: dict, metric: str) -> bool:
-    """Whether rec holds a value of metric. A step the trainer skipped (non-finite loss, GradScaler overflow)
-    logs the loss it zeroed in its tally, and the loss extras with it: those are not measurements."""
+    """Whether rec holds a value of metric. A step skipped for a non-finite loss logs its loss and the loss
+    extras as null (no measurement); one skipped for non-finite gradients or a GradScaler overflow keeps its
+    loss, which was measured."""
     v = rec.get(metric)
-    if rec.get("skipped") is True and rec["type"] == "train" and metric.endswith("loss"):
-        return False
-    return isinstance(v, (int, float)) and math.isfinite(v)
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def series(run: Run, metric: str, x: str = "step", smooth: int = 1, kind: Optional[str] = None):

@@ -472,7 +472,9 @@ def lru_get(cache, key, limit, load):
         return cache[key]
     value = cache[key] = load()
     while len(cache) > max(limit, 1):
-        cache.popitem(last=False)
+        _, evicted = cache.popitem(last=False)
+        if hasattr(evicted, "close"):  # an open file: its descriptor now, not whenever the collector runs
+            evicted.close()
     return value
 
 
@@ -494,6 +496,10 @@ class StoredFile:
         out = np.empty(m.shape[1:], m.dtype)
         self._pread_into(out, m.data_offset + row * out.nbytes, key, row)
         return out if out.dtype == dtype else out.astype(dtype)
+
+    def close(self):
+        self.file.close()
+        self._maps.clear()
 
     def _pread_into(self, out, offset, key, row):
         view = memoryview(out.reshape(-1).view(np.uint8))

@@ -150,6 +150,9 @@ def test_a_changed_learning_rate_applies_after_resume(tmp_path, no_launch_env, c
     DDPTrainer(config=cfg).train()
     t = DDPTrainer(config={**cfg, "max_steps": 9, "learning_rate": 1e-3, "weight_decay": 0.05})
     assert [g["weight_decay"] for g in t.optimizer.param_groups] == [0.05, 0.0]
+    # the first resumed step's rate: this run's, on this run's schedule
+    first = 1e-3 * lr_factor(6, 9, BASE["warmup_steps"], "cosine", 0.1)
+    assert [g["lr"] for g in t.optimizer.param_groups] == [pytest.approx(first, rel=1e-12)] * 2
     t.train()
     lr = {r["step"]: r["lr"] for r in metrics(tmp_path / "logs", "train")}
     assert lr[7] == pytest.approx(1e-3 * lr_factor(7, 9, BASE["warmup_steps"], "cosine", 0.1), rel=1e-12)

@@ -249,9 +249,13 @@ def test_config_values_are_read_as_their_flags_are():
 
 
 def test_a_stop_verdict_at_the_last_step_is_still_a_completed_run(tmp_path, no_launch_env):
-    summary = DDPTrainer(config={**QUICK, **dirs(tmp_path), "max_steps": 6, "val_interval": 3, "patience": 1,
-                                 "min_delta": 10.0}).train()
+    cfg = {**QUICK, **dirs(tmp_path), "max_steps": 6, "val_interval": 3, "patience": 1, "min_delta": 10.0}
+    summary = DDPTrainer(config=cfg).train()
     assert summary["status"] == "completed" and summary["steps"] == 6
+    # so a longer run trains on from it (the verdict at step 6 stopped nothing), until its own early stop
+    longer = DDPTrainer(config={**cfg, "max_steps": 12}).train()
+    assert longer["resumed_from"].endswith("model_state_step_6.pt")
+    assert longer["status"] == "early_stopped" and longer["steps"] == 9
 
 
 def _empty_test_shard(rank, world_size, root):
@@ -316,6 +320,11 @@ def test_a_saved_config_with_another_run_name_makes_another_run(tmp_path, no_lau
     assert (cfg.log_dir, cfg.checkpoint_dir) == ("runs/exp1", "/data/ckpt/exp1")
     cfg = TrainConfig.from_dict(config_from_args(build_arg_parser().parse_args(["--config", "named.yaml", "--test"])))
     assert cfg.log_dir == str(Path("runs") / "lm_test")  # a quick test never writes into the real run's dirs
+    # the file's own run name again is the file's run, in its dirs
+    Path("named.yaml").write_text("run_name: exp1\nlog_dir: /scratch/exp1\n")
+    cfg = TrainConfig.from_dict(config_from_args(build_arg_parser().parse_args(
+        ["--config", "named.yaml", "--run_name", "exp1"])))
+    assert cfg.log_dir == "/scratch/exp1"
 
 
 def test_cli_precedence_defaults_yaml_flags(tmp_path):

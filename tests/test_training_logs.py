@@ -385,13 +385,14 @@ def test_summary_reports_the_median_mfu_of_cuda_runs(tmp_path, capsys):
 
 
 def test_skipped_steps_leave_no_loss_points(tmp_path):
-    """A step the trainer skipped logs the loss it zeroed in its tally (and the loss extras with it): no
-    measurement, so no point on a curve and no weight in a moving average. A null loss is no value either."""
+    """A step skipped for a non-finite loss logs its loss and loss extras as null: no point on a curve and no
+    weight in a moving average. A step skipped for its gradients keeps its measured loss."""
     recs = train_recs(range(1, 7), spe=100)
     for r in recs:
         r.update(jloss=r["loss"] / 2, skipped=False)
-    recs[2].update(loss=0.0, jloss=0.0, skipped=True, grad_norm=float("nan"))  # step 3: non-finite, zeroed
-    recs[4]["loss"] = None  # step 5: a trainer that writes null for a skipped step's loss
+    recs[2].update(loss=None, jloss=None, skipped=True, grad_norm=None)  # step 3: a non-finite loss
+    recs[3].update(skipped=True, grad_norm=None)  # step 4: non-finite gradients, finite loss
+    recs[4]["loss"] = float("nan")  # step 5: an older trainer's NaN
     run = tl.load_run(write_run(tmp_path / "skips", recs))
     kept = [r for r in recs if r["step"] not in (3, 5)]
     assert tl.series(run, "loss") == ([r["step"] for r in kept], [r["loss"] for r in kept])

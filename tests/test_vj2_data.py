@@ -299,6 +299,10 @@ def test_reading_maps_no_data_and_keeps_at_most_max_open_files_open(tmp_path):
     data = {str(p.resolve()) for p in files}
     assert not data & {m.path for m in me.memory_maps(grouped=True)}
     assert len(data & {f.path for f in me.open_files()}) == len(ds._open) == 2
+    ds[0]
+    first = ds._open[0]
+    ds[2], ds[4]  # files 1 and 2: file 0 is evicted and closed now, not whenever the collector runs
+    assert 0 not in ds._open and first.file.closed
 
 
 def test_a_file_cut_short_after_validation_is_a_clear_error(tmp_path):
