@@ -727,6 +727,51 @@ class StopSignal:
         return None if self.received is None else signal.Signals(self.received).name
 
 
+class SetUpWatch:
+    """While set-up runs under a StopSignal: a second preempting signal ends the process at once (exit 128 +
+    signal). Python runs a handler only between bytecodes, so a rank blocked in C++ (a rendezvous waiting for
+    a peer that never comes) would see the first signal's flag only after dist_timeout, and nothing would stop
+    it short of SIGKILL. Python's C-level handler writes each signal to the wakeup fd at once; a thread
+    watches it."""
+
+    def __init__(self, names: tuple = StopSignal.PREEMPT_SIGNALS):
+        self.signums = {getattr(signal, n) for n in names if hasattr(signal, n)}
+        self._previous_fd = None
+
+    def __enter__(self) -> "SetUpWatch":
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        try:
+            self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        except ValueError:  # not the main thread: no handlers were installed either
+            self._close()
+            return self
+        self._thread = threading.Thread(target=self._watch, daemon=True, name="set-up signal watch")
+        self._thread.start()
+        return self
+
+    def _watch(self) -> None:
+        seen = 0
+        while data := os.read(self._read, 64):
+            for signum in data:
+                seen += signum in self.signums
+                if seen >= 2:
+                    os.write(2, f"second {signal.Signals(signum).name} during set-up: exiting at once\n".encode())
+                    os._exit(128 + signum)
+
+    def __exit__(self, *exc) -> None:
+        if self._previous_fd is None:
+            return
+        signal.set_wakeup_fd(self._previous_fd)
+        os.close(self._write)  # the watcher reads end-of-file and returns
+        self._thread.join()
+        os.close(self._read)
+
+    def _close(self) -> None:
+        os.close(self._write)
+        os.close(self._read)
+
+
 # ----------------------------------------------------------------------------
 # Checkpoint I/O
 # ----------------------------------------------------------------------------

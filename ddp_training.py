@@ -1850,7 +1850,8 @@ def _train_and_exit_code(rank: int, world_size: int, cfg: dict, local_rank: Opti
     # stops the run at its first step with a save and the PREEMPTED marker, instead of killing a rank there
     with rt.StopSignal(rt.StopSignal.PREEMPT_SIGNALS) as stop_signal:
         try:
-            trainer = DDPTrainer(rank=rank, world_size=world_size, local_rank=local_rank, config=cfg)
+            with rt.SetUpWatch():  # a second such signal during set-up ends the process at once
+                trainer = DDPTrainer(rank=rank, world_size=world_size, local_rank=local_rank, config=cfg)
         except SETUP_ERRORS as exc:
             if rank == 0:
                 print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)

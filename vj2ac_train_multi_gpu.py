@@ -389,10 +389,14 @@ def train(args, launch):
     # Caught from before set-up (checking every data file can take minutes): a preempting signal then stops
     # the run at its first step with a save and the PREEMPTED marker, instead of killing a rank there
     with rt.StopSignal(rt.StopSignal.PREEMPT_SIGNALS) as stop_signal:
-        return _train(args, launch, stop_signal)
+        with rt.SetUpWatch():  # a second such signal during set-up ends the process at once
+            trainer = set_up(args, launch)
+        summary = trainer.train(stop_signal)
+    return rt.EXIT_PREEMPTED if summary["status"] == "interrupted" else 0
 
 
-def _train(args, launch, stop_signal):
+def set_up(args, launch):
+    """The data (checked on every rank), the predictor and its DDPTrainer."""
     cfg = train_config(args)
     # the trainer's logger has the same name: it replaces these handlers, so no line is written twice
     log = rt.setup_logger(cfg["log_dir"], launch["rank"], args.debug)
@@ -429,8 +433,7 @@ def _train(args, launch, stop_signal):
     log.info("[DDP] Rank %d/%d, local_rank=%d, device=%s", env.rank, env.world_size, env.local_rank, env.device)
     log.info("[DDP] Dataloader created with %d samples, batch_size=%d (%d batches per rank per epoch)",
              len(train_set), args.batch_size, len(trainer.train_loader))
-    summary = trainer.train(stop_signal)
-    return rt.EXIT_PREEMPTED if summary["status"] == "interrupted" else 0
+    return trainer
 
 
 def load_predictor(path):

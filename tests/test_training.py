@@ -529,6 +529,25 @@ def test_sigterm_during_set_up_stops_at_the_first_step_with_a_save(tmp_path, scr
     assert len(list(ckpt.glob("*_state_step_1.pt"))) == 1
 
 
+@pytest.mark.multi
+def test_a_second_sigterm_ends_a_rank_stuck_in_set_up_at_once(tmp_path):
+    """A rank blocked in C++ (here: a rendezvous whose peer never comes) runs no Python signal handler; the
+    first SIGTERM is kept for the first step, a second one must end it now, not after dist_timeout."""
+    port = free_ports(1)[0]
+    env = clean_env(RANK=0, WORLD_SIZE=2, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    cmd = [sys.executable, REPO / "ddp_training.py", "--cpu", "--test", "--log_dir", "logs", "--dist_timeout", "120"]
+    with background(cmd, tmp_path, env=env) as rank0:
+        _wait_for_listener(port, 60)
+        rank0.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert rank0.poll() is None, "the first SIGTERM must not end set-up"
+        t0 = time.time()
+        rank0.send_signal(signal.SIGTERM)
+        out, _ = rank0.communicate(timeout=30)
+    assert rank0.returncode == 128 + signal.SIGTERM and time.time() - t0 < 10, out[-2000:]
+    assert "second SIGTERM during set-up: exiting at once" in out
+
+
 # -- a real corpus ----------------------------------------------------------------------------
 
 def write_text_corpus(path: Path, n_bytes: int = 300_000, seed: int = 0) -> None:
