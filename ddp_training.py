@@ -596,8 +596,8 @@ class StepTally:
     non-finite, the loss function's extra metrics), packed with the step's flags for the all-reduce."""
 
     def __init__(self, device: torch.device):
-        self.loss_sum, self.count, self.nonfinite = (torch.zeros((), device=device, dtype=torch.float64)
-                                                     for _ in range(3))
+        self.loss_sum, self.count, self.nonfinite, self.bad_grads = (
+            torch.zeros((), device=device, dtype=torch.float64) for _ in range(4))
         self.extras: dict = {}
 
     def add(self, s: torch.Tensor, c, extras: dict) -> None:
@@ -615,11 +615,11 @@ class StepTally:
         return sorted(self.extras)
 
     def packed(self, flags: list, names: list) -> torch.Tensor:
-        """[count, loss_sum, nonfinite, *flags, *extras in the order of `names`] (a missing one as 0)"""
+        """[count, loss_sum, nonfinite, bad_grads, *flags, *extras in the order of `names`] (a missing one as 0)"""
         dev = self.count.device  # from pinned memory the copy is queued, not waited for
         flags = torch.tensor(flags, dtype=torch.float64, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
         extras = [self.extras.get(n, self.count * 0) for n in names]
-        return torch.cat([torch.stack([self.count, self.loss_sum, self.nonfinite]), flags,
+        return torch.cat([torch.stack([self.count, self.loss_sum, self.nonfinite, self.bad_grads]), flags,
                           torch.stack(extras) if extras else flags[:0]])
 
 
@@ -983,6 +983,9 @@ class DDPTrainer:
         grads = [p.grad for _, p in self.named_params]
         grads = [g for g in grads if g is not None]
         raw_norm = torch.nn.utils.get_total_norm(grads).double()
+        # agreed through the all-reduce, not read from each rank's norm: gradients DDP does not average
+        # (parameters it ignores) may differ between ranks
+        tally.bad_grads = (~torch.isfinite(raw_norm)).double()
         names = self._extra_names(tally.names)
         if tally.names != names and fatal is None:  # the all-reduce below packs `names`, the same on every rank
             fatal = (f"loss_fn returned the extras {tally.names} at step {self.global_step + 1}, but {names} at "
@@ -991,19 +994,17 @@ class DDPTrainer:
         reduced = rt.all_reduce_tensor(tally.packed(flags, names), on_device=True)
         # the agreement and the norm come back together: with NCCL the step's one host sync (a GradScaler adds its own)
         *reduced, raw_norm_value = torch.cat([reduced, raw_norm.reshape(1).to(reduced.device)]).tolist()
-        g_count, g_loss, g_nonfinite, g_stop, g_data_errors, g_fatal, g_unused, g_oom = reduced[:8]
+        g_count, g_loss, g_nonfinite, g_bad_grads, g_stop, g_data_errors, g_fatal, g_unused, g_oom = reduced[:9]
         if g_fatal or g_unused:
             self._raise_collectively(fatal or (f"parameters without gradients: {', '.join(unused)}"
                                                if unused else None), save=bool(g_fatal))
         if g_data_errors:
             self._count_data_errors(int(g_data_errors))
         result = {"count": g_count, "loss": g_loss / max(g_count, 1.0), "stop": g_stop > 0,
-                  "extras": {n: v / max(g_count, 1.0) for n, v in zip(names, reduced[8:])}}
+                  "extras": {n: v / max(g_count, 1.0) for n, v in zip(names, reduced[9:])}}
 
-        # DDP averaged the gradients, so every rank reads the same norm and takes the same decision from it
-        bad_grads = not math.isfinite(raw_norm_value)
-        scaler_overflow = self.scaler is not None and bad_grads  # with a GradScaler, its normal business
-        nonfinite = (g_nonfinite > 0 or (bad_grads and self.scaler is None)) and not g_oom
+        scaler_overflow = self.scaler is not None and g_bad_grads > 0  # with a GradScaler, its normal business
+        nonfinite = (g_nonfinite > 0 or (g_bad_grads > 0 and self.scaler is None)) and not g_oom
         if g_oom or nonfinite or g_count == 0 or scaler_overflow:
             self.optimizer.zero_grad(set_to_none=True)
             if self.scaler:
