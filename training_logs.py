@@ -20,8 +20,8 @@ second y axis); --compare puts every run in one axes instead. A --metrics grid h
 and always overlays the runs. --x epoch is step / steps per epoch, as the trainer states it in val and
 summary records (or where the records' steps and epochs pin it down); without it, it is an error. Bad input (no metrics.jsonl, a corrupt line, an unknown metric) exits with status 2 and a message; a
 cut-short or non-UTF-8 last line (a run killed mid-write) only warns, as does a record whose step is not a
-whole number (it is skipped); plot leaves out runs with no records yet. The loss of a step the trainer skipped
-("skipped": true) is not a measurement: curves leave it out.
+whole number (it is skipped); plot leaves out runs with no records yet. Null, NaN and inf values (the trainer
+writes null for the loss of a step skipped for a non-finite loss) are no measurement: curves leave them out.
 
 Everything the CLI does is importable: load_run, summarize, format_summaries, series, plot_loss_curves,
 plot_metrics.
@@ -263,8 +263,14 @@ def load_runs(dirs=(), root=None) -> list:
 # summary
 # ----------------------------------------------------------------------------
 
+def is_number(v) -> bool:
+    """A finite int or float: null, NaN and inf are no measurement (the trainer writes null for the loss
+    of a step skipped for a non-finite loss; a step skipped for its gradients keeps its measured loss)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def _finite(values) -> list:
-    return [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+    return [v for v in values if is_number(v)]
 
 
 def total_time(run: Run) -> Optional[float]:
@@ -426,27 +432,18 @@ def check_x_axis(runs: list, x: str) -> None:
                            f"Use --x step or --x time")
 
 
-def measured(rec: dict, metric: str) -> bool:
-    """Whether rec holds a value of metric. A step skipped for a non-finite loss logs its loss and the loss
-    extras as null (no measurement); one skipped for non-finite gradients or a GradScaler overflow keeps its
-    loss, which was measured."""
-    v = rec.get(metric)
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def series(run: Run, metric: str, x: str = "step", smooth: int = 1, kind: Optional[str] = None):
     """The (xs, ys) plotted for one metric of one run.
 
     kind is the record type to read ("train"/"val"); by default the one that holds the metric. Points whose
-    value is missing, null, not finite or the loss of a skipped step are left out, so a moving average is not
-    poisoned by them. Only train series are smoothed: validation points are few and already averages.
+    value is missing, null or not finite are left out, so a moving average is not poisoned by them. Only train series are smoothed: validation points are few and already averages.
     """
     if kind is None:
         kind = "train" if any(metric in r for r in run.train) else "val"
     xs, ys = [], []
     for rec in run.records(kind):
         xv = x_value(run, rec, x)
-        if measured(rec, metric) and xv is not None:
+        if is_number(rec.get(metric)) and xv is not None:
             xs.append(xv)
             ys.append(float(rec[metric]))
     if kind == "train" and smooth > 1:

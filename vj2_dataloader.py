@@ -483,7 +483,7 @@ class StoredFile:
 
     def __init__(self, info):
         self.info = info
-        self.file = open(info.path, "rb", buffering=0)  # closed when the LRU drops this object
+        self.file = open(info.path, "rb", buffering=0)  # closed by close(), when the LRU evicts this file
         self._maps = {}  # Fortran-order members only: their rows are strided, not one byte range
 
     def read(self, key, row, dtype):
@@ -531,8 +531,6 @@ def data_fingerprint(path):
     """
     try:
         with zipfile.ZipFile(path) as zf:
-            infos = zf.infolist()
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError):
+            return tuple((i.CRC, i.file_size) for i in (zf.getinfo(member_name(path, zf, k)) for k in KEYS))
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError):  # DataFileError too: the loader says why
         return None
-    members = [[(i.CRC, i.file_size) for i in infos if i.filename in (k, k + ".npy")] for k in KEYS]
-    return tuple(m[0] for m in members) if all(len(m) == 1 for m in members) else None
