@@ -436,6 +436,49 @@ def _seed_worker(worker_id: int) -> None:
     random.seed(seed)
 
 
+class _KeyedSampler(Sampler):
+    """Yields (epoch, index) instead of index, for _SeededSamples; the epoch travels with each index
+    because persistent workers hold a copy of the dataset made when they started."""
+
+    def __init__(self, sampler: Sampler):
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[tuple]:
+        epoch = getattr(self.sampler, "epoch", 0)
+        return ((epoch, i) for i in self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def set_start_index(self, index: int) -> None:
+        self.sampler.set_start_index(index)
+
+
+class _SeededSamples(Dataset):
+    """Seeds torch, numpy and random before each sample a DataLoader worker reads, from (seed, train,
+    epoch, index). A worker's streams otherwise depend on which samples it read before, which a resumed
+    run (workers restarted mid-epoch) or another worker count changes: random draws in `__getitem__`
+    (augmentation) then differ. Seeded per sample, they are the same in a resumed run as in an unbroken
+    one, with any number of workers and under either data strategy."""
+
+    def __init__(self, dataset: Dataset, seed: int, train: bool):
+        self.dataset, self.entropy = dataset, (seed % 2**64, int(train))
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple):
+        epoch, index = key
+        state = np.random.SeedSequence((*self.entropy, epoch, index)).generate_state(2, np.uint64)
+        torch.default_generator.manual_seed(int(state[0]))  # the CPU's: torch.manual_seed costs 100 us more
+        np.random.seed(int(state[1]) % 2**32)
+        random.seed(int(state[1]))
+        return self.dataset[index]
+
+
 def capped_workers(requested: int, local_world_size: int) -> int:
     """At most the CPUs this process may use, shared among the ranks on this node."""
     return max(0, min(requested, cpu_count() // max(1, local_world_size)))
@@ -468,6 +511,8 @@ def build_dataloader(dataset: Dataset, batch_size: int, *, train: bool, rank: in
     if workers > 0:
         kwargs.update(persistent_workers=True, prefetch_factor=prefetch_factor,
                       worker_init_fn=_seed_worker, timeout=timeout_s)
+        # Without workers the process's own streams serve the samples, and the resumable state holds them.
+        dataset, sampler = _SeededSamples(dataset, seed, train), _KeyedSampler(sampler)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **kwargs)
 
 

@@ -773,6 +773,7 @@ class DDPTrainer:
             describe = describe or f"CausalLM {model.config}"
         if train_dataset is None:
             raise ValueError("a custom model needs train_dataset=")
+        self.train_dataset = train_dataset  # the loader may wrap it (per-sample seeds in workers)
         if loss_fn is None:
             norm = cfg.loss_normalization
             loss_fn = lambda m, b: lm_loss(m, b, norm)  # noqa: E731
@@ -1048,16 +1049,21 @@ class DDPTrainer:
         return out
 
     def _spare(self):
-        """A batch that loads, to replay with weight zero; read by index, so no RNG moves."""
+        """A batch that loads, to replay with weight zero; read by index, and with the RNG streams put back
+        after, so that a dataset's own draws (augmentation) leave no trace in the run."""
         if self.spare_batch is None:
-            ds, samples = self.train_loader.dataset, []
-            for i in range(len(ds)):
-                try:
-                    samples.append(ds[i])
-                except Exception:  # noqa: BLE001 -- a bad sample is exactly what we are working around
-                    continue
-                if len(samples) == self.cfg.batch_size:
-                    break
+            ds, samples = self.train_dataset, []
+            streams = rt.rng_state()
+            try:
+                for i in range(len(ds)):
+                    try:
+                        samples.append(ds[i])
+                    except Exception:  # noqa: BLE001 -- a bad sample is exactly what we are working around
+                        continue
+                    if len(samples) == self.cfg.batch_size:
+                        break
+            finally:
+                rt.set_rng_state(streams)
             if len(samples) < self.cfg.batch_size:
                 raise RuntimeError(f"fewer than batch_size={self.cfg.batch_size} samples of the training set load")
             self.spare_batch = self.train_loader.collate_fn(samples)
@@ -1204,7 +1210,7 @@ class DDPTrainer:
         return path
 
     def _train_samples(self) -> int:
-        ds = self.train_loader.dataset
+        ds = self.train_dataset
         return len(ds) if hasattr(ds, "__len__") else -1
 
     STATE_COUNTERS = ("global_step", "epoch", "step_in_epoch", "best_val", "patience_ref", "bad_validations",

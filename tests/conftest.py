@@ -3,12 +3,14 @@
 import contextlib
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -53,6 +55,24 @@ class FlakyData(torch.utils.data.Dataset):
 # Variables that would make a "plain" process think it is part of a distributed job.
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST", "TORCHELASTIC_RUN_ID")
+
+
+class Augmented(torch.utils.data.Dataset):
+    """Token windows with two input tokens replaced at random, drawn from torch, numpy and random:
+    augmentation whose draws a resumed run must repeat exactly."""
+
+    def __init__(self, base, vocab: int):
+        self.base, self.vocab = base, vocab
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        x, y = self.base[i]
+        x = x.clone()
+        where = torch.randint(len(x), (2,))
+        x[where] = torch.tensor([np.random.randint(self.vocab), random.randrange(self.vocab)])
+        return x, y
 
 
 def clean_env(**extra) -> dict:

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import Augmented
 from dist_helpers import spawn
 from ddp_training import CausalLM, DDPTrainer, TrainConfig, synthetic_lm_data
 
@@ -36,11 +37,12 @@ class Rank0Only(torch.utils.data.Dataset):
         return self.base[i]
 
 
-def _train(rank, world_size, root, strategy):
+def _train(rank, world_size, root, strategy, augment=False):
     cfg = {**CFG, "data_strategy": strategy, "log_dir": str(Path(root) / "logs"),
-           "checkpoint_dir": str(Path(root) / "ckpt")}
+           "checkpoint_dir": str(Path(root) / "ckpt"), "num_workers": int(augment)}
     data = synthetic_lm_data(TrainConfig.from_dict(CFG))
-    train = Rank0Only(data.train) if strategy == "dispatch" else data.train
+    train = Augmented(data.train, 64) if augment else data.train
+    train = Rank0Only(train) if strategy == "dispatch" else train
     torch.manual_seed(0)
     s = DDPTrainer(rank=rank, world_size=world_size, config=cfg, model=CausalLM(64, 32, 1, 2, 16),
                    train_dataset=train, val_dataset=data.val).train()
@@ -51,10 +53,12 @@ def final(root):
     return torch.load(Path(root) / "ckpt" / "model_final.pt", weights_only=True)["model"]
 
 
-def test_shard_and_dispatch_give_identical_weights(tmp_path):
-    # 200 samples, 2 ranks x 8 -> 12 steps per epoch; 14 steps cross an epoch boundary.
-    assert spawn(_train, 2, str(tmp_path / "shard"), "shard") == [(14, 1)] * 2
-    assert spawn(_train, 2, str(tmp_path / "dispatch"), "dispatch") == [(14, 1)] * 2
+@pytest.mark.parametrize("augment", [False, True], ids=["plain", "augmented-in-a-worker"])
+def test_shard_and_dispatch_give_identical_weights(tmp_path, augment):
+    # 200 samples, 2 ranks x 8 -> 12 steps per epoch; 14 steps cross an epoch boundary. Augmented: random draws in
+    # __getitem__, read by one worker per rank (shard) or by rank 0's one worker (dispatch), seeded per sample.
+    assert spawn(_train, 2, str(tmp_path / "shard"), "shard", augment) == [(14, 1)] * 2
+    assert spawn(_train, 2, str(tmp_path / "dispatch"), "dispatch", augment) == [(14, 1)] * 2
     a, b = final(tmp_path / "shard"), final(tmp_path / "dispatch")
     # Dispatch hands each rank exactly the samples the sharded sampler would: equal bit for bit.
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import ddp_runtime as rt
-from conftest import background, clean_env, make_vj2_data, metrics, torchrun, torchrun_workers, wait_for_step
+from conftest import Augmented, background, clean_env, make_vj2_data, metrics, torchrun, torchrun_workers, wait_for_step
 from dist_helpers import spawn
-from ddp_training import DDPTrainer, lm_loss
+from ddp_training import CausalLM, DDPTrainer, TrainConfig, lm_loss, synthetic_lm_data
 
 # 128 samples / 16 per batch = 8 steps per epoch; 20 steps cross two epoch boundaries.
 # Dropout is on so the torch RNG streams must be restored too.
@@ -75,6 +75,29 @@ def test_stop_and_resume_is_bit_identical_one_process(tmp_path, no_launch_env, r
     assert_bit_identical(final_weights(tmp_path), reference_1)
     assert train_steps(tmp_path) == list(range(1, 21))  # the resumed curve has no duplicates
     assert not (tmp_path / "logs" / "PREEMPTED").exists()
+
+
+def augmented_run(root: Path, num_workers: int, loss_fn=None) -> dict:
+    cfg = cfg_for(root, num_workers=num_workers, val_interval=10)
+    data = synthetic_lm_data(TrainConfig.from_dict(cfg))
+    torch.manual_seed(0)
+    model = CausalLM(data.vocab_size, 32, 2, 2, 32, dropout=0.1)
+    return DDPTrainer(config=cfg, model=model, train_dataset=Augmented(data.train, data.vocab_size),
+                      val_dataset=Augmented(data.val, data.vocab_size), loss_fn=loss_fn).train()
+
+
+def test_augmentation_in_workers_resumes_bit_identical_with_any_worker_count(tmp_path, no_launch_env):
+    """With workers, each sample's random streams are seeded from (seed, epoch, index): an interrupted
+    run repeats every draw of an unbroken one, and 1 or 2 workers read the same batches."""
+    reference = augmented_run(tmp_path / "ref", num_workers=2)
+    first = augmented_run(tmp_path / "run", num_workers=2, loss_fn=SignalAt(6))
+    assert first["status"] == "interrupted" and first["steps"] == 6
+    second = augmented_run(tmp_path / "run", num_workers=2)
+    assert second["resumed_from"].endswith("state_step_6.pt")
+    assert_bit_identical(final_weights(tmp_path / "run"), final_weights(tmp_path / "ref"))
+    assert second["final_val_loss"] == reference["final_val_loss"]  # evaluation draws the same augmentation too
+    augmented_run(tmp_path / "one", num_workers=1)
+    assert_bit_identical(final_weights(tmp_path / "one"), final_weights(tmp_path / "ref"))
 
 
 def test_resume_none_starts_fresh_and_sets_the_old_states_aside(tmp_path, no_launch_env):
