@@ -825,6 +825,15 @@ class CheckpointError(RuntimeError):
     pass
 
 
+def bad_run_name(name: str) -> Optional[str]:
+    """Why `name` cannot name a run dir under the scripts' own parent dir (None if it can): an absolute
+    path or a '..' would put the run, and the states a relaunch resumes, somewhere else."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*", name):
+        return (f"must be names of letters, digits, '.', '_' or '-' (not first), joined by '/', got {name!r}; "
+                f"to write elsewhere, set the directories themselves")
+    return None
+
+
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -220,6 +220,8 @@ class TrainConfig:
         if not 0 < self.dist_timeout <= MAX_TIMEOUT_S or self.first_step_timeout > MAX_TIMEOUT_S:
             raise ValueError(f"dist_timeout must be positive seconds and it and first_step_timeout at most "
                              f"{MAX_TIMEOUT_S:g}, got {self.dist_timeout} and {self.first_step_timeout}")
+        if (why := rt.bad_run_name(self.run_name)) is not None:
+            raise ValueError(f"config key 'run_name' {why} (log_dir, checkpoint_dir)")
         # it names files in checkpoint_dir and is matched as a glob pattern there
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.checkpoint_prefix):
             raise ValueError(f"config key 'checkpoint_prefix' must be letters, digits, '.', '_' or '-' (not first), "
@@ -435,6 +437,8 @@ def load_tokens(path: Path) -> tuple[np.ndarray, int]:
     """Memory-mapped token ids and vocabulary size; text files are bytes (vocab 256)."""
     if not path.is_file():
         raise FileNotFoundError(f"--data {path}: no such file")
+    if path.stat().st_size == 0:  # a map of it fails, naming no file
+        raise ValueError(f"--data {path}: the file is empty")
     if path.suffix == ".npy":
         tokens = np.load(path, mmap_mode="r", allow_pickle=False)
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):

@@ -362,9 +362,9 @@ def parse_args(argv=None):
         parser.error(f"--dist_timeout must be <= {MAX_TIMEOUT_S:g} seconds, got {args.dist_timeout:g}")
     if args.predictor_dim % args.num_heads:
         parser.error(f"--predictor_dim {args.predictor_dim} must be divisible by --num_heads {args.num_heads}")
+    if (why := rt.bad_run_name(args.run_name)) is not None:
+        parser.error(f"--run_name {why} (--checkpoint_dir, --log_dir)")
     return args
-
-
 
 
 def train_config(args):

@@ -355,6 +355,8 @@ def test_cli_precedence_defaults_yaml_flags(tmp_path):
     (["--dist_timeout", "inf"], "'dist_timeout' must be a finite number, got inf"),
     (["--checkpoint_prefix", "../up"], "'checkpoint_prefix' must be letters, digits"),
     (["--checkpoint_prefix", "m[1]"], "'checkpoint_prefix' must be letters, digits"),
+    (["--run_name", "/tmp/elsewhere"], "'run_name' must be names of letters, digits"),
+    (["--run_name", "a/../../up"], "'run_name' must be names of letters, digits"),
     (["--vocab_size", "0"], "'vocab_size' must be >= 1, got 0"),
     (["--val_fraction", "1.5"], "'val_fraction' must be in [0, 1)"),
     (["--min_lr_ratio", "2"], "'min_lr_ratio' must be in [0, 1]"),
@@ -362,9 +364,11 @@ def test_cli_precedence_defaults_yaml_flags(tmp_path):
     (["--config", "missing.yaml"], "--config missing.yaml: [Errno 2] No such file"),
     (["--cpu", "--data", "missing.txt"], "error: FileNotFoundError: --data missing.txt: no such file"),
     (["--cpu", "--nproc", "2", "--data", "missing.txt"], "error: FileNotFoundError: --data missing.txt: no such"),
+    (["--cpu", "--data", "empty.txt"], "error: ValueError: --data empty.txt: the file is empty"),
 ])
 def test_cli_bad_input_exits_2_with_a_clear_message(tmp_path, argv, message):
     (tmp_path / "bad.yaml").write_text("bogus_key: 1\n")
+    (tmp_path / "empty.txt").write_text("")
     argv = [a.replace("{yaml}", str(tmp_path / "bad.yaml")) for a in argv]
     r = run([sys.executable, REPO / "ddp_training.py", *argv], cwd=tmp_path, timeout=60)
     assert r.returncode == 2 and message in r.stdout, r.stdout

@@ -174,6 +174,8 @@ def test_cli_presets_test_mode_and_trainer_config(no_launch_env):
     # c10d counts the timeout in int64 nanoseconds: 1e10 s already fails inside the process group
     (["--processed_data_dir", "t", "--validation_data_dir", "v", "--dist_timeout", "1e10"],
      "--dist_timeout must be <= 1e+07 seconds"),
+    (["--processed_data_dir", "t", "--validation_data_dir", "v", "--run_name", "../up"],
+     "--run_name must be names of letters, digits"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
