@@ -16,6 +16,9 @@ GRID = 16
 PATCHES_PER_STEP = GRID * GRID
 # encoder width (D), ViT-L
 EMBED_DIM = 1024
+# smallest D the predictor can learn from: its loss layer-norms tokens over D, which maps every token of
+# width 1 to 0 (a loss of exactly 0 and no gradient)
+MIN_EMBED_DIM = 2
 # atomic GUI actions recorded between two latent steps (A)
 ACTIONS_PER_STEP = 250
 # channels of one atomic action: [x, y, touch], each in [0, 1] (C)

@@ -196,9 +196,11 @@ def check_geometry(steps, patches, embed_dim, actions_per_step, channels):
     names = config.ACTION_CHANNEL_NAMES
     if channels < len(names):
         raise ValueError(f"--action_channels must be >= {len(names)} for [{', '.join(names)}], got {channels}")
-    if min(patches, embed_dim, actions_per_step) < 1:
-        raise ValueError(f"--patches, --embed_dim and --actions_per_step must be >= 1, "
-                         f"got {patches}, {embed_dim}, {actions_per_step}")
+    if min(patches, actions_per_step) < 1:
+        raise ValueError(f"--patches and --actions_per_step must be >= 1, got {patches}, {actions_per_step}")
+    if embed_dim < config.MIN_EMBED_DIM:
+        raise ValueError(f"--embed_dim must be >= {config.MIN_EMBED_DIM} (the predictor layer-norms tokens over D), "
+                         f"got {embed_dim}")
 
 
 def check_noise(noise, dtype, world):

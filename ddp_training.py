@@ -1146,10 +1146,11 @@ class DDPTrainer:
         return self.ckpt_dir / f"{self.cfg.checkpoint_prefix}_{tag}.pt"
 
     def checkpoint_payload(self) -> dict:
-        """Weights only (no `module.` prefix), step, val loss when known, and the model config."""
+        """Weights only (no `module.` prefix), step, the model config, and the val loss of these weights
+        when they were validated (not an earlier step's)."""
         payload = {self.weights_key: rt.unwrap_state_dict(self.model), "global_step": self.global_step,
                    **self.checkpoint_extra}
-        if self.last_val is not None:
+        if self.last_val is not None and self.last_val_step == self.global_step:
             payload["val_loss"] = self.last_val
         return payload
 

@@ -233,6 +233,9 @@ def check_shapes(path, emb, act):
     if min(emb[2:] + act[2:]) < 1:
         raise DataFileError(f"{path}: keys 'embeddings' {emb} / 'actions' {act} have an empty dimension; "
                             f"expected P, D, A, C >= 1")
+    if emb[3] < config.MIN_EMBED_DIM:
+        raise DataFileError(f"{path}: key 'embeddings' has D={emb[3]}; expected D >= {config.MIN_EMBED_DIM} "
+                            f"(the predictor layer-norms tokens over D, and one value normalises to 0)")
 
 
 def scan_values(path, zf, key, member):

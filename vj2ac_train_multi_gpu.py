@@ -149,6 +149,9 @@ def checked_config(cfg):
             raise ValueError(f"predictor_config {key} must be an integer >= 1, got {value!r}")
     if cfg["predictor_dim"] % cfg["num_heads"]:
         raise ValueError(f"predictor_dim={cfg['predictor_dim']} must be divisible by num_heads={cfg['num_heads']}")
+    if cfg["embed_dim"] < config.MIN_EMBED_DIM:
+        raise ValueError(f"predictor_config embed_dim must be >= {config.MIN_EMBED_DIM} (tokens are layer-normed "
+                         f"over it), got {cfg['embed_dim']}")
     return {key: int(value) for key, value in cfg.items()}
 
 
@@ -294,8 +297,9 @@ def build_parser():
                         "resumes it" + d)
     p.add_argument("--checkpoint_dir", help="default: checkpoints/<run_name>")
     p.add_argument("--log_dir", help="rank_N.log and metrics.jsonl; default: the checkpoint dir")
-    p.add_argument("--rollout_horizon", type=int, default=config.ROLLOUT_HORIZON,
-                   help="autoregressive steps in the rollout loss; needs T-1 >= it" + d)
+    p.add_argument("--rollout_horizon", type=int,
+                   help=f"autoregressive steps in the rollout loss; needs T-1 >= it (default: {config.ROLLOUT_HORIZON}; "
+                        f"with --evaluate, the checkpoint's)")
     p.add_argument("--lr", type=float, help=f"peak learning rate; default by preset: {PRESET_LR}")
     p.add_argument("--weight_decay", type=float, default=0.04, help=d)
     p.add_argument("--warmup_steps", type=int, default=5, help=d)
@@ -348,8 +352,10 @@ def parse_args(argv=None):
     for flag in [k for k, v in vars(args).items() if isinstance(v, float)]:  # a new float flag too
         if not math.isfinite(getattr(args, flag)):
             parser.error(f"--{flag} must be a finite number, got {getattr(args, flag)}")
+    if args.rollout_horizon is None and not args.evaluate:  # --evaluate takes the one the checkpoint trained with
+        args.rollout_horizon = config.ROLLOUT_HORIZON
     for flag in ("batch_size", "rollout_horizon", "depth", "num_heads", "predictor_dim", "grad_accum_steps"):
-        if getattr(args, flag) < 1:
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     for flag in ("max_steps", "num_epochs", "warmup_steps", "num_workers", "val_every_iters", "save_every_iters",
                  "save_every_epochs", "weight_decay"):
@@ -425,7 +431,8 @@ def set_up(args, launch):
         trainer = DDPTrainer(rank=launch["rank"], world_size=launch["world_size"], local_rank=launch["local_rank"],
                              config=cfg, model=predictor, train_dataset=train_set, val_dataset=val_set,
                              loss_fn=partial(vj2_loss, rollout_horizon=args.rollout_horizon),
-                             checkpoint_extra={"predictor_config": predictor.config}, weights_key="predictor",
+                             checkpoint_extra={"predictor_config": predictor.config,
+                                               "rollout_horizon": args.rollout_horizon}, weights_key="predictor",
                              count_unit="samples", describe=describe)
     except (ValueError, rt.CheckpointError) as exc:  # e.g. fewer trajectories per rank than --batch_size
         raise BadInput(str(exc)) from exc
@@ -437,18 +444,24 @@ def set_up(args, launch):
 
 
 def load_predictor(path):
+    """The predictor and the rollout horizon it trained with (None from checkpoints that predate saving it)."""
     try:
         ckpt = rt.load_checkpoint(path)  # weights_only=True, checks the .sha256 sidecar
         predictor = ACPredictor(**ckpt["predictor_config"])
         predictor.load_state_dict(ckpt["predictor"])
+        horizon = ckpt.get("rollout_horizon")
+        if horizon is not None and (isinstance(horizon, bool) or not isinstance(horizon, int) or horizon < 1):
+            raise ValueError(f"rollout_horizon must be an integer >= 1, got {horizon!r}")
     except (rt.CheckpointError, KeyError, TypeError, ValueError, ArithmeticError, RuntimeError) as exc:
         raise BadInput(f"--evaluate {path}: not a usable predictor checkpoint "
                        f"({type(exc).__name__}: {exc})") from exc
-    return predictor
+    return predictor, horizon
 
 
 def evaluate(args, launch):
-    predictor = load_predictor(args.evaluate)
+    predictor, trained_horizon = load_predictor(args.evaluate)
+    # the loss the run validated with, unless the command line asks for another
+    args.rollout_horizon = args.rollout_horizon or trained_horizon or config.ROLLOUT_HORIZON
     val_set = load_dataset("--validation_data_dir", args.validation_data_dir, args)
     check_fits(predictor, val_set.geometry, "--validation_data_dir")
     if args.shuffle_actions:

@@ -66,7 +66,8 @@ def test_cli_current_dir_bad_flags_and_leftover_files(tmp_path, monkeypatch, cap
     assert "already holds 1 other .npz files (train_00001.npz)" in capsys.readouterr().err
     for argv, message in [(["--trajectories_per_file", "0"], "--trajectories_per_file must be >= 1"),
                           (["--noise", "-1"], "--noise must be >= 0"),
-                          (["--num_steps", "1"], "--num_steps must be >= 2")]:
+                          (["--num_steps", "1"], "--num_steps must be >= 2"),
+                          (["--embed_dim", "1"], "--embed_dim must be >= 2")]:
         with pytest.raises(SystemExit) as exc:
             gen.main(["--output_dir", "x", *argv])
         assert exc.value.code == 2 and message in capsys.readouterr().err
@@ -392,6 +393,11 @@ def write_no_trajectories(p):
     np.savez(p, embeddings=emb[:0], actions=act[:0])
 
 
+def write_width_one(p):
+    emb, act = good()
+    np.savez(p, embeddings=emb[..., :1], actions=act)
+
+
 def write_pixel_actions(p):
     emb, act = good()
     np.savez(p, embeddings=emb, actions=act * 1e4)  # pixel coordinates instead of fractions of the screen
@@ -424,6 +430,7 @@ BAD_FILES = {
     "int_dtype": (write_int_dtype, ["key 'embeddings'", "dtype int32", "expected float16 or float32"]),
     "nan": (write_nan, ["key 'embeddings'", "NaN or inf", "trajectory 1", "expected finite"]),
     "no_trajectories": (write_no_trajectories, ["key 'embeddings'", "(0, 4, 16, 32)", "N=0", "expected N >= 1"]),
+    "width_one": (write_width_one, ["key 'embeddings'", "D=1", "expected D >= 2", "layer-norms"]),
     "pixel_actions": (write_pixel_actions, ["key 'actions'", "channel 0 (x) from", "channel 1 (y) from",
                                             "channel 2 (touch) from", "expected every [x, y, touch] value in [0, 1]"]),
     "negative_touch": (write_negative_touch_float16, ["key 'actions'", "channel 2 (touch) from -1 to 0.99",

@@ -279,19 +279,37 @@ def test_checkpoints_names_cadence_and_contents(trained):
              "epoch_3": 54, "epoch_6": 108, "epoch_9": 162}
     for tag, step in steps.items():
         ckpt = torch.load(ckpt_dir / f"vjepa2_{tag}.pt", weights_only=True)
-        # weights, step, val loss and the predictor's shape; no optimizer or scheduler state
-        assert set(ckpt) == {"predictor", "global_step", "val_loss", "predictor_config"}, (tag, set(ckpt))
-        assert ckpt["global_step"] == step, tag
+        # weights, step, the predictor's shape and loss, and the val loss of these very weights (validations
+        # every 25 steps: none at the epoch ends); no optimizer or scheduler state
+        validated = {"val_loss"} if step in vals else set()
+        assert set(ckpt) == {"predictor", "global_step", "predictor_config", "rollout_horizon", *validated}, tag
+        assert ckpt["global_step"] == step and ckpt["rollout_horizon"] == 2, tag
         assert not any(k.startswith("module.") for k in ckpt["predictor"])
-        # the last validation so far (the one at this very step, when it runs first)
-        known = [vals[max(s for s in vals if s < step)], vals[max(s for s in vals if s <= step)]]
-        assert any(ckpt["val_loss"] == pytest.approx(v) for v in known), (tag, ckpt["val_loss"], known)
+        if validated:
+            assert ckpt["val_loss"] == pytest.approx(vals[step]), (tag, ckpt["val_loss"], vals[step])
     best = torch.load(ckpt_dir / "vjepa2_best.pt", weights_only=True)
     assert best["val_loss"] == pytest.approx(min(vals.values()))
     model = vj2.ACPredictor(**best["predictor_config"])
     model.load_state_dict(best["predictor"])
     assert best["predictor_config"] == dict(embed_dim=D, num_patches=P, action_dim=A * C, max_steps=T - 1,
                                             predictor_dim=64, depth=2, num_heads=4, mlp_ratio=4)
+
+
+def test_evaluate_scores_the_loss_the_run_trained_with(tmp_path, no_launch_env, capsys):
+    make_vj2_data(tmp_path, 1, 8, 8)
+    data = ["--validation_data_dir", str(tmp_path / "val"), "--device", "cpu"]
+    assert vj2.main([*data, "--processed_data_dir", str(tmp_path / "train"), "--checkpoint_dir", str(tmp_path / "ckpt"),
+                     "--preset", "tiny", "--max_steps", "4", "--val_every_iters", "4", "--rollout_horizon", "1"]) == 0
+    final = torch.load(tmp_path / "ckpt" / "vjepa2_final.pt", weights_only=True)
+    assert final["rollout_horizon"] == 1 and final["global_step"] == 4
+
+    def evaluate(*extra):
+        capsys.readouterr()
+        assert vj2.main(["--evaluate", str(tmp_path / "ckpt" / "vjepa2_final.pt"), *data, *extra]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["loss"]
+
+    assert evaluate() == pytest.approx(final["val_loss"], rel=1e-5)  # the checkpoint's horizon, not the default 2
+    assert evaluate("--rollout_horizon", "2") != pytest.approx(final["val_loss"], rel=1e-3)  # the flag wins
 
 
 @pytest.mark.multi
@@ -348,6 +366,8 @@ def test_a_training_file_under_another_name_is_refused_as_validation_data(tmp_pa
     (dict(num_heads=0), "predictor_config num_heads must be an integer >= 1, got 0"),
     # divides 32, builds and loads, and failed only in the forward pass
     (dict(num_heads=-4), "predictor_config num_heads must be an integer >= 1, got -4"),
+    # layer norm over one value is 0 for every token: a loss of 0, no gradient, and "completed"
+    (dict(embed_dim=1), "predictor_config embed_dim must be >= 2"),
 ])
 def test_evaluate_refuses_an_inconsistent_predictor_config(tmp_path, no_launch_env, capsys, change, message):
     gen.generate(tmp_path / "val", num_files=1, trajectories_per_file=4, steps=T, patches=P, embed_dim=D,
