@@ -26,13 +26,20 @@ Usage: ./launch_training.sh [OPTIONS] [-- SCRIPT_ARGS...]
       --node-rank R         this node's rank (multi-node)
       --master-addr HOST    rendezvous host (multi-node)
       --master-port PORT    rendezvous port (multi-node, default 29500)
-      --max-restarts N      let torchrun restart the group N times after a failure (resumes)
+      --max-restarts N      let torchrun restart the group N times after a failure (resumes); with
+                            --nnodes > 1 the nodes then meet through c10d rendezvous on
+                            --master-addr:--master-port (torchrun numbers the nodes itself), since
+                            static rendezvous cannot restart across nodes
   -h, --help                show this help
 
 GPUs are counted with nvidia-smi, or with torch.cuda.device_count() where nvidia-smi is missing or fails.
+A CUDA_VISIBLE_DEVICES already set is read as CUDA reads it: up to its first entry that is not a GPU
+(-1 hides them all), at most the GPUs counted. On the CPU, OMP_NUM_THREADS defaults to the cores
+divided among the processes (torchrun alone would set 1).
 
-Signals: SIGTERM, SIGINT, SIGHUP, SIGQUIT and SIGUSR1 are forwarded once to torchrun, which passes them to
-the workers; the trainers save and exit. Workers get TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default here
+Signals: SIGTERM, SIGINT and SIGUSR1 are forwarded once to torchrun, which passes them to the workers; the
+trainers save and exit. SIGHUP (a closed terminal) and SIGQUIT are forwarded as SIGTERM: the trainers do not
+catch them, and would die without a save. Workers get TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default here
 300, torchrun's own default is 30) to finish before torchrun kills them.
 
 Exit status: 0 the run finished; 75 the run was stopped by a signal and left a PREEMPTED marker in its log
@@ -133,8 +140,14 @@ if (( cpu == 0 )); then
     detected=$(detected_gpus)
     visible=()
     if [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then
-        IFS=',' read -r -a visible <<< "$CUDA_VISIBLE_DEVICES"
-        (( detected > 0 )) || visible=()
+        # CUDA stops at the first entry that names no GPU: "-1" (the usual "hide them all") leaves none
+        IFS=',' read -r -a listed <<< "$CUDA_VISIBLE_DEVICES"
+        for entry in "${listed[@]+"${listed[@]}"}"; do
+            entry=${entry// /}
+            [[ "$entry" =~ ^[0-9]+$ || "$entry" == GPU-* || "$entry" == MIG-* ]] || break
+            (( ${#visible[@]} < detected )) || break
+            visible+=("$entry")
+        done
     else
         for (( i = 0; i < detected; i++ )); do visible+=("$i"); done
     fi
@@ -166,6 +179,12 @@ fi
 if (( cpu == 1 )); then
     nproc=${nproc:-2}
     device_args=(--device cpu --dist-backend gloo)
+    # torchrun sets OMP_NUM_THREADS=1 for several processes, and the trainers take a set value as the
+    # user's: every rank would compute on one thread. Share the cores instead, as `--nproc` spawning does.
+    if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
+        cores=$(command nproc 2>/dev/null || echo 1)
+        export OMP_NUM_THREADS=$(( cores / nproc > 0 ? cores / nproc : 1 ))
+    fi
 else
     # Each worker takes cuda:LOCAL_RANK; a process past the last GPU would fail only once CUDA starts.
     nproc=${nproc:-$selected}
@@ -198,6 +217,11 @@ else
 fi
 if (( nnodes == 1 )); then
     launcher+=(--standalone)
+elif (( max_restarts > 0 )); then
+    # Static rendezvous cannot restart: a restarted node's workers meet peers that never come back. The
+    # agents of all nodes restart together through a c10d rendezvous (the id only has to agree across nodes).
+    launcher+=(--nnodes "$nnodes" --rdzv_backend c10d --rdzv_endpoint "$master_addr:$master_port"
+               --rdzv_id "${SLURM_JOB_ID:-ddp-kit-$master_port}")
 else
     launcher+=(--nnodes "$nnodes" --node_rank "$node_rank" --master_addr "$master_addr" --master_port "$master_port")
 fi
@@ -267,8 +291,11 @@ forward() {
     fi
     forwarded=$1
     [[ -n "$child" ]] || return 0  # not started yet: sent right after the start below
-    kill -s "$1" "$child" 2>/dev/null || true
+    kill -s "$(stop_signal "$1")" "$child" 2>/dev/null || true
 }
+
+# The trainers save on SIGTERM, SIGINT and SIGUSR1; a closed terminal's SIGHUP or a SIGQUIT would kill them.
+stop_signal() { case $1 in HUP|QUIT) echo TERM ;; *) echo "$1" ;; esac; }
 
 stamp=$(mktemp "${TMPDIR:-/tmp}/launch_training.XXXXXX") || die "cannot create a file in ${TMPDIR:-/tmp} (set TMPDIR)"
 trap 'rm -f "$stamp"' EXIT
@@ -288,7 +315,7 @@ except (OSError, AttributeError):
     pass
 os.execvp(sys.argv[1], sys.argv[1:])' "${cmd[@]}" <&0 &
 child=$!
-[[ -z "$forwarded" ]] || kill -s "$forwarded" "$child" 2>/dev/null || true
+[[ -z "$forwarded" ]] || kill -s "$(stop_signal "$forwarded")" "$child" 2>/dev/null || true
 
 # A trapped signal cuts `wait` short (status > 128) while torchrun still runs: wait again. The last wait
 # gives torchrun's own status even when a signal cut the one before short.

@@ -34,6 +34,7 @@ def fake_bin(tmp_path) -> Path:
     bin_dir = tmp_path / "bin"
     executable(bin_dir / "torchrun", '#!/bin/sh\necho "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset}"\n'
                                      'echo "grace=$TORCH_ELASTIC_SHUTDOWN_TIMEOUT"\n'
+                                     'echo "OMP_NUM_THREADS=${OMP_NUM_THREADS-unset}"\n'
                                      'printf "[%s]" "$@"; echo\neval "${FAKE_TORCHRUN_THEN:-}"\n')
     return bin_dir
 
@@ -85,6 +86,54 @@ def test_gpus_are_counted_by_torch_without_a_working_nvidia_smi(tmp_path, fake_b
     # torch without CUDA: the CPU, as before
     r = launch([], tmp_path, fake_bin, PYTHONPATH=f"{fake_torch(tmp_path / 'none', 0)}{os.pathsep}{REPO}")
     assert r.returncode == 0 and "falling back to the CPU" in r.stdout and "[--device][cpu]" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("visible, expected", [("-1", None), ("", None), ("1,-1,0", "1"), ("0,1,2,3,4,5", "0,1,2,3"),
+                                               ("GPU-8f2c,GPU-77aa", "GPU-8f2c,GPU-77aa")])
+def test_cuda_visible_devices_is_read_as_cuda_reads_it(tmp_path, fake_bin, visible, expected):
+    fake_nvidia_smi(fake_bin, 4)
+    r = launch(["--test"], tmp_path, fake_bin, CUDA_VISIBLE_DEVICES=visible)
+    assert r.returncode == 0, r.stdout
+    if expected is None:  # "-1" hides every GPU: the CPU, not a CUDA run that fails in every worker
+        assert "falling back to the CPU" in r.stdout and "[--device][cpu]" in r.stdout, r.stdout
+    else:
+        assert f"[--nproc_per_node][{expected.count(',') + 1}]" in r.stdout and "[--device][cuda]" in r.stdout
+        assert f"CUDA_VISIBLE_DEVICES={visible}" in r.stdout  # left as it was: CUDA numbers within it
+
+
+def test_cpu_ranks_share_the_cores_unless_omp_num_threads_is_set(tmp_path, fake_bin):
+    cores = len(os.sched_getaffinity(0))
+    for nproc in (1, 2):  # an empty value counts as unset, as for OpenMP
+        r = launch(["--cpu", "--nproc", str(nproc)], tmp_path, fake_bin, OMP_NUM_THREADS="")
+        assert f"OMP_NUM_THREADS={max(1, cores // nproc)}\n" in r.stdout, r.stdout  # not torchrun's 1
+    r = launch(["--cpu", "--nproc", "2"], tmp_path, fake_bin, OMP_NUM_THREADS="3")
+    assert "OMP_NUM_THREADS=3" in r.stdout, r.stdout
+
+
+def test_multi_node_restarts_use_c10d_rendezvous(tmp_path, fake_bin):
+    nodes = ["--cpu", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29600"]
+    r = launch(nodes, tmp_path, fake_bin)
+    assert "[--node_rank][1][--master_addr][10.0.0.1][--master_port][29600]" in r.stdout, r.stdout
+    r = launch([*nodes, "--max-restarts", "2"], tmp_path, fake_bin, SLURM_JOB_ID="4711")
+    assert "[--rdzv_backend][c10d][--rdzv_endpoint][10.0.0.1:29600][--rdzv_id][4711]" in r.stdout, r.stdout
+    assert "--node_rank" not in r.stdout and "[--max_restarts][2]" in r.stdout
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGQUIT])
+def test_sighup_and_sigquit_reach_torchrun_as_sigterm(tmp_path, fake_bin, sig):
+    """The trainers save on SIGTERM; SIGHUP (a closed terminal) or SIGQUIT passed on as such would kill them."""
+    then = ('trap "echo TERM > got; exit 1" TERM; trap "echo HUP > got; exit 1" HUP; '
+            'trap "echo QUIT > got; exit 1" QUIT; touch ready; while :; do sleep 0.1; done')
+    env = clean_env(PATH=f"{fake_bin}:{Path(sys.executable).parent}:/usr/bin:/bin", PYTHON=sys.executable,
+                    FAKE_TORCHRUN_THEN=then)
+    with background(["bash", LAUNCHER, "--cpu"], tmp_path, env=env) as proc:
+        deadline = time.time() + 20
+        while not (tmp_path / "ready").exists():
+            assert time.time() < deadline and proc.poll() is None, "the fake torchrun did not start"
+            time.sleep(0.05)
+        proc.send_signal(sig)
+        proc.communicate(timeout=20)
+    assert (tmp_path / "got").read_text().strip() == "TERM"
 
 
 def test_numbers_are_read_as_decimal(tmp_path, fake_bin):
