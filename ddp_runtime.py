@@ -61,14 +61,25 @@ class DistEnv:
 
 
 def first_slurm_host(nodelist: str) -> str:
-    """First host of a SLURM node list such as 'gpu[07-09,12],cpu3' -> 'gpu07'."""
-    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if not m:
+    """First host of a SLURM node list: 'gpu[07-09,12],cpu3' -> 'gpu07', 'rack[1-2]-n[01-04]' -> 'rack1-n01'."""
+    m = re.match(r"(?:[^,\[]|\[[^\]]*\])+", nodelist.strip())  # the first entry: commas inside [] do not end it
+    if not m or "[]" in m.group(0):
         raise ValueError(f"cannot parse SLURM node list {nodelist!r}")
-    prefix, ranges = m.group(1), m.group(2)
-    if not ranges:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
+    # each bracket's first range's first value, zero padding kept
+    return re.sub(r"\[([^\]]*)\]", lambda r: r.group(1).split(",")[0].split("-")[0], m.group(0))
+
+
+def slurm_tasks_on_node(tasks_per_node: str, node_id: int) -> int:
+    """This node's task count from SLURM's compressed list: '4(x2),3' is 4, 4, 3 tasks on nodes 0, 1, 2."""
+    counts = []
+    for part in tasks_per_node.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            raise ValueError(f"cannot parse SLURM tasks per node {tasks_per_node!r}")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    if not 0 <= node_id < len(counts):
+        raise ValueError(f"SLURM_NODEID={node_id} is not a node of tasks per node {tasks_per_node!r}")
+    return counts[node_id]
 
 
 def detect_launch_env() -> dict:
@@ -110,6 +121,10 @@ def _slurm_task(env) -> Optional[dict]:
                                    "SLURM_JOB_NODELIST is set")
             os.environ["MASTER_ADDR"] = first_slurm_host(nodelist)
         os.environ.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+        # the ranks sharing this node's cores (threads, loader workers); the world size would starve them
+        per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+        if per_node and "LOCAL_WORLD_SIZE" not in env:
+            os.environ["LOCAL_WORLD_SIZE"] = str(slurm_tasks_on_node(per_node, int(env.get("SLURM_NODEID", "0"))))
     return dict(rank=rank, world_size=ntasks, local_rank=int(env.get("SLURM_LOCALID", "0")), launcher="slurm")
 
 
@@ -133,6 +148,19 @@ def limit_cpu_threads(local_world_size: int) -> None:
         torch.set_num_threads(max(1, cpu_count() // max(1, local_world_size)))
 
 
+def cuda_index(local_rank: int) -> int:
+    """The visible device for this local rank: LOCAL_RANK indexes the devices this process sees, except
+    where a scheduler binds one GPU to each task (`srun --gpus-per-task=1`): then each sees one, as cuda:0."""
+    count = torch.cuda.device_count()
+    if local_rank < count:
+        return local_rank
+    if count == 1:
+        return 0
+    raise RuntimeError(f"local rank {local_rank} (LOCAL_RANK or SLURM_LOCALID) has no GPU: this process sees "
+                       f"{count} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start at "
+                       f"most one process per visible GPU on each node")
+
+
 def setup_distributed(rank: int, world_size: int, local_rank: Optional[int] = None,
                       backend: Optional[str] = None, device: str = "auto",
                       timeout_s: float = DEFAULT_DIST_TIMEOUT_S) -> DistEnv:
@@ -150,9 +178,8 @@ def setup_distributed(rank: int, world_size: int, local_rank: Optional[int] = No
         raise RuntimeError("device 'cuda' requested but CUDA is not available")
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if use_cuda:
-        # LOCAL_RANK is an integer index into the visible devices; DDP wants that index.
-        torch.cuda.set_device(local_rank)
-        dev = torch.device("cuda", local_rank)
+        dev = torch.device("cuda", cuda_index(local_rank))
+        torch.cuda.set_device(dev)
     else:
         dev = torch.device("cpu")
         limit_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))

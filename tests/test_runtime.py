@@ -25,21 +25,23 @@ from dist_helpers import spawn
 # -- launch environments ------------------------------------------------------
 
 @pytest.mark.parametrize("nodelist,first", [("gpu07", "gpu07"), ("gpu[07-09,12]", "gpu07"),
-                                            ("node[3,5],login1", "node3"), ("a-b[001-004]", "a-b001")])
+                                            ("node[3,5],login1", "node3"), ("a-b[001-004]", "a-b001"),
+                                            ("gpu[01-02]-ib", "gpu01-ib"), ("rack[1-2]-n[01-04]", "rack1-n01")])
 def test_first_slurm_host(nodelist, first):
     assert rt.first_slurm_host(nodelist) == first
 
 
 # What srun adds to a task's environment (and the batch script's environment lacks).
 SLURM_STEP_VARS = ("SLURM_STEP_ID", "SLURM_STEPID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NUM_NODES",
-                   "SLURM_STEP_NODELIST", "SLURM_JOB_ID")
+                   "SLURM_STEP_NODELIST", "SLURM_JOB_ID", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE",
+                   "SLURM_NODEID")
 
 
 @pytest.fixture
 def no_slurm_step(no_launch_env, monkeypatch):
     for var in SLURM_STEP_VARS:
         monkeypatch.delenv(var, raising=False)
-    for var in ("MASTER_ADDR", "MASTER_PORT"):  # detect_launch_env sets these: undo them after the test
+    for var in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):  # detect_launch_env sets these: undo them
         monkeypatch.setenv(var, "")
         monkeypatch.delenv(var)
 
@@ -71,6 +73,32 @@ def test_detect_env_srun_task(no_slurm_step, monkeypatch):
     assert rt.detect_launch_env() == dict(rank=5, world_size=8, local_rank=1, launcher="slurm")
     assert os.environ["MASTER_ADDR"] == "gpu12"
     assert os.environ["MASTER_PORT"] == str(20000 + 4242 % 20000)
+
+
+def test_srun_tasks_share_their_node_not_the_world(no_slurm_step, monkeypatch):
+    """Threads and loader workers are shared among the ranks of a node: 4 tasks on each of 16 nodes must not
+    divide a node's cores by 64 (1 thread, and --num_workers silently 0)."""
+    slurm_job(monkeypatch, procid=9, ntasks=64)
+    srun_step(monkeypatch, 64, "gpu[01-16]")
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "4(x15),3")
+    monkeypatch.setenv("SLURM_NODEID", "2")
+    assert rt.detect_launch_env()["world_size"] == 64 and os.environ["LOCAL_WORLD_SIZE"] == "4"
+    monkeypatch.setenv("SLURM_NODEID", "15")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    rt.detect_launch_env()
+    assert os.environ["LOCAL_WORLD_SIZE"] == "3"
+    assert rt.capped_workers(8, int(os.environ["LOCAL_WORLD_SIZE"])) == min(8, rt.cpu_count() // 3)
+
+
+@pytest.mark.parametrize("local_rank, visible, expected", [(1, 4, 1), (1, 1, 0), (3, 2, None)])
+def test_each_local_rank_gets_a_visible_gpu_or_a_clear_error(monkeypatch, local_rank, visible, expected):
+    """srun --gpus-per-task=1 shows each task one GPU, as cuda:0, whatever its SLURM_LOCALID."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    if expected is None:
+        with pytest.raises(RuntimeError, match="local rank 3 .*has no GPU: this process sees 2"):
+            rt.cuda_index(local_rank)
+    else:
+        assert rt.cuda_index(local_rank) == expected
 
 
 def test_detect_env_srun_step_smaller_than_the_job(no_slurm_step, monkeypatch):
