@@ -943,7 +943,11 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu", verify: bool = 
         raise CheckpointError(f"checkpoint {path} does not exist")
     sidecar = path.with_name(path.name + ".sha256")
     if verify and sidecar.exists():
-        expected = sidecar.read_text().split()[0]
+        text = sidecar.read_text(errors="replace")
+        expected = text.split()[0] if text.split() else ""
+        if not re.fullmatch(r"[0-9a-f]{64}", expected):
+            raise CheckpointError(f"checkpoint {path}: its sidecar {sidecar} holds no SHA-256 digest "
+                                  f"({text[:80]!r}); delete the sidecar to load the checkpoint unchecked")
         actual = sha256_file(path)
         if actual != expected:
             raise CheckpointError(f"checkpoint {path} fails its SHA-256 check "
@@ -1085,7 +1089,7 @@ class CheckpointWriter:
         """Write `payload` to `path` (on rank 0), then call `then()` there (e.g. prune old files)."""
         path = Path(path)
         if not self.background:
-            run_on_rank0(self._write, payload, path, then, what=f"writing {path}")
+            run_on_rank0(self._write_now, payload, path, then, what=f"writing {path}")
             return path
         if group is None or group != self._group:
             self.flush()
@@ -1169,6 +1173,16 @@ class CheckpointWriter:
         if then is not None:
             then()
         self.log.debug("wrote %s in %.3f s", path, time.perf_counter() - start)
+
+    def _write_now(self, payload: Any, path: Path, then) -> None:
+        """A synchronous write; its failure names the file, as a background write's does (a full disk's
+        OSError names none)."""
+        try:
+            self._write(payload, path, then)
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(f"writing {path} failed: {type(exc).__name__}: {exc}") from exc
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:

@@ -1369,6 +1369,8 @@ class DDPTrainer:
         self.log.debug("[DDP] Rank %d: Exiting validation at epoch %d, iter %d", self.env.rank, self.epoch,
                        self.global_step)
         self.last_val, self.last_val_step = res["loss"], self.global_step
+        if self.state_step == self.global_step:  # that state predates this validation: the run's end saves again
+            self.state_step = None
         # Patience counts from the last improvement by more than min_delta, so many small steps do not
         # reset it (as in Keras and Lightning); the best checkpoint follows every improvement.
         if res["loss"] < self.patience_ref - self.cfg.min_delta:
@@ -1470,7 +1472,15 @@ class DDPTrainer:
         except (OSError, ValueError) as exc:
             self.log.warning("ignoring %s: %s", path, exc)
             return None
-        return record.get("summary") if record.get("total_steps") == self.total_steps else None
+        if record.get("total_steps") != self.total_steps:
+            return None  # a longer run trains on
+        summary = record.get("summary")
+        if summary and summary.get("status") == "early_stopped" and record.get("stop") != self._stop_rule():
+            return None  # the stop is lifted or changed: the resumed loop decides again
+        return summary
+
+    def _stop_rule(self) -> dict:
+        return {key: getattr(self.cfg, key) for key in ("patience", "min_delta", "target_loss")}
 
     def _nothing_to_do(self, summary: dict) -> dict:
         self.log.info("this run already finished (%s at step %d, see %s): nothing to do; resume none or another "
@@ -1481,7 +1491,7 @@ class DDPTrainer:
     def _write_completed_marker(self, summary: dict) -> None:
         path = Path(self.cfg.log_dir) / COMPLETED_MARKER
         tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps({"total_steps": self.total_steps, "summary": summary}) + "\n")
+        tmp.write_text(json.dumps({"total_steps": self.total_steps, "stop": self._stop_rule(), "summary": summary}) + "\n")
         os.replace(tmp, path)
 
     def _prepare_run_dir(self) -> None:
@@ -1694,7 +1704,12 @@ class DDPTrainer:
         if not self.metrics_path.exists():
             return
         if self.resumed_from is None:  # a fresh run: keep the old curves, start a new file
-            os.replace(self.metrics_path, self.metrics_path.with_name(f"metrics.{int(time.time())}.jsonl"))
+            stamp = int(time.time())
+            aside = self.metrics_path.with_name(f"metrics.{stamp}.jsonl")
+            n = 1
+            while aside.exists():  # two fresh runs in one second: never replace the earlier curves
+                aside, n = self.metrics_path.with_name(f"metrics.{stamp}.{n}.jsonl"), n + 1
+            os.replace(self.metrics_path, aside)
             return
         kept = []
         for line in self.metrics_path.read_text().splitlines():

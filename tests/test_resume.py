@@ -117,6 +117,19 @@ def test_resume_none_starts_fresh_and_sets_the_old_states_aside(tmp_path, no_lau
     assert longer["resumed_from"].endswith("model_state_step_14.pt")
 
 
+def test_a_fresh_run_never_replaces_earlier_set_aside_curves(tmp_path, no_launch_env):
+    cfg = cfg_for(tmp_path, max_steps=2, resume="none")
+    DDPTrainer(config=cfg).train()
+    now = int(time.time())
+    taken = {tmp_path / "logs" / f"metrics.{t}.jsonl" for t in range(now, now + 30)}  # an earlier run's, this second
+    for p in taken:
+        p.write_text('{"earlier": true}\n')
+    DDPTrainer(config=cfg).train()
+    assert all(p.read_text() == '{"earlier": true}\n' for p in taken)
+    (moved,) = set((tmp_path / "logs").glob("metrics.*.jsonl")) - taken
+    assert [r["step"] for r in map(json.loads, moved.read_text().splitlines()) if r["type"] == "train"] == [1, 2]
+
+
 def test_a_validation_the_state_predates_is_logged_once(tmp_path, no_launch_env):
     cfg = cfg_for(tmp_path, max_steps=10, save_every_iters=8)  # 8 steps per epoch
     DDPTrainer(config=cfg).train()
@@ -152,10 +165,11 @@ def test_an_early_stopped_run_is_done_until_its_stop_is_lifted(tmp_path, no_laun
     again = DDPTrainer(config=cfg).train()
     assert again["status"] == "early_stopped" and again["steps"] == 10 and again["resumed_from"]
     assert train_steps(tmp_path) == list(range(1, 11))
-    # without the stop (no patience, more steps) it trains on from the run's final state
-    longer = DDPTrainer(config={**cfg, "max_steps": 30, "patience": 0}).train()
-    assert longer["steps"] == 30 and longer["resumed_from"].endswith("model_state_step_10.pt")
-    assert train_steps(tmp_path) == list(range(1, 31))
+    # the stop lifted (no patience), the same max_steps: it trains on from the run's final state
+    lifted = DDPTrainer(config={**cfg, "patience": 0}).train()
+    assert not lifted.get("already_complete") and lifted["status"] == "completed" and lifted["steps"] == 20
+    assert lifted["resumed_from"].endswith("model_state_step_10.pt")
+    assert train_steps(tmp_path) == list(range(1, 21))
 
 
 def test_a_longer_max_steps_trains_on_from_where_the_finished_run_ended(tmp_path, no_launch_env):
@@ -164,6 +178,18 @@ def test_a_longer_max_steps_trains_on_from_where_the_finished_run_ended(tmp_path
     longer = DDPTrainer(config={**cfg, "max_steps": 12}).train()
     assert longer["resumed_from"].endswith("model_state_step_6.pt") and longer["steps"] == 12
     assert train_steps(tmp_path) == list(range(1, 13))
+
+
+def test_the_last_validation_of_a_finished_run_survives_its_extension(tmp_path, no_launch_env):
+    """The state at the last step is saved before the run's closing validation; the run saves it again after,
+    or a longer run would drop that validation from its curve and its best loss."""
+    cfg = cfg_for(tmp_path, max_steps=6, save_every_iters=2)  # validations at epoch ends (8 steps) and the end
+    first = DDPTrainer(config=cfg).train()
+    assert [r["step"] for r in metrics(tmp_path / "logs", "val")] == [6]
+    longer = DDPTrainer(config={**cfg, "max_steps": 12}).train()
+    vals = {r["step"]: r["val_loss"] for r in metrics(tmp_path / "logs", "val")}
+    assert list(vals) == [6, 8, 12] and vals[6] == first["final_val_loss"]
+    assert longer["best_val_loss"] == min(vals.values())
 
 
 def test_a_changed_learning_rate_applies_after_resume(tmp_path, no_launch_env, caplog):

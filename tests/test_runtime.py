@@ -391,6 +391,15 @@ def test_stop_signal_for_set_up_leaves_ctrl_c_alone_until_training():
 
 # -- checkpoint I/O -----------------------------------------------------------------
 
+@pytest.mark.parametrize("sidecar", ["", "\n", "abc123  a.pt\n"])
+def test_a_sidecar_without_a_digest_is_a_checkpoint_error_naming_it(tmp_path, sidecar):
+    path = rt.atomic_save({"w": torch.arange(4.0)}, tmp_path / "a.pt")
+    (tmp_path / "a.pt.sha256").write_text(sidecar)  # e.g. a copy of the run dir cut short by a full disk
+    with pytest.raises(rt.CheckpointError, match=r"a.pt: its sidecar .*a.pt.sha256 holds no SHA-256 digest"):
+        rt.load_checkpoint(path)
+    assert torch.equal(rt.load_checkpoint(path, verify=False)["w"], torch.arange(4.0))
+
+
 def test_atomic_save_roundtrip_and_hash(tmp_path):
     path = rt.atomic_save({"w": torch.arange(4.0), "step": 3}, tmp_path / "a.pt")
     assert (tmp_path / "a.pt.sha256").read_text().split()[0] == rt.sha256_file(path)
@@ -528,6 +537,14 @@ def test_failed_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert torch.equal(rt.load_checkpoint(path)["v"], torch.ones(3))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt", "c.pt.sha256"]
+
+
+def test_a_failed_synchronous_write_names_the_file(tmp_path, monkeypatch):
+    def full_disk(obj, path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(rt, "atomic_save", full_disk)
+    with pytest.raises(rt.CheckpointError, match=r"writing .*state.pt failed: OSError: .*No space left"):
+        rt.CheckpointWriter(background=False).save({"w": torch.ones(2)}, tmp_path / "state.pt")
 
 
 def fail_on_sidecar(monkeypatch):
