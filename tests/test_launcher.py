@@ -13,7 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import REPO, background, clean_env, run, wait_for_step
+from conftest import REPO, background, clean_env, metrics, run, torchrun_workers, wait_for_step
+from dist_helpers import free_ports
 
 LAUNCHER = REPO / "launch_training.sh"
 SBATCH = REPO / "scripts" / "slurm_example.sbatch"
@@ -255,6 +256,31 @@ def test_repeated_ctrl_c_reaches_torchrun_once(tmp_path):
     assert proc.returncode == EXIT_PREEMPTED and not alive, out[-4000:]
     assert out.count("SIGINT received; already stopping on SIGINT") == 2, out[-4000:]
     check_preempted(tmp_path, out)
+
+
+@pytest.mark.multi
+def test_two_nodes_with_max_restarts_recover_from_a_killed_worker(tmp_path):
+    """Two "nodes" on this host, one CPU process each, sharing the run dirs as nodes share a file system. A
+    worker killed outright: both nodes' agents restart their workers, which resume from the newest state."""
+    port = free_ports(1)[0]
+    env = clean_env(PYTHON=sys.executable, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+                    OMP_NUM_THREADS=1)
+
+    def node(rank):
+        return ["bash", LAUNCHER, "--cpu", "--nproc", "1", "--nnodes", "2", "--node-rank", str(rank),
+                "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-restarts", "1", "-l", "logs",
+                "-c", "ckpt", "--", "--test", "--max_steps", "120", "--val_interval", "0", "--save_every_iters",
+                "20", "--log_interval", "1", "--dist_timeout", "60"]
+
+    with background(node(0), tmp_path, env=env) as first, background(node(1), tmp_path, env=env) as second:
+        wait_for_step(tmp_path / "logs" / "metrics.jsonl", 30, timeout=120)
+        workers = {**torchrun_workers(first), **torchrun_workers(second)}
+        assert sorted(workers) == [0, 1], workers
+        workers[1].kill()  # SIGKILL: no handler runs, nothing is saved
+        outs = [p.communicate(timeout=240)[0] for p in (first, second)]
+    assert first.returncode == 0 and second.returncode == 0, "\n".join(o[-3000:] for o in outs)
+    assert "resumed from" in (tmp_path / "logs" / "rank_0.log").read_text()
+    assert [r["step"] for r in metrics(tmp_path / "logs", "train")] == list(range(1, 121))
 
 
 # -- SLURM ---------------------------------------------------------------------------------------------------
