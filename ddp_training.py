@@ -1491,7 +1491,8 @@ class DDPTrainer:
     def _write_completed_marker(self, summary: dict) -> None:
         path = Path(self.cfg.log_dir) / COMPLETED_MARKER
         tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps({"total_steps": self.total_steps, "stop": self._stop_rule(), "summary": summary}) + "\n")
+        record = {"total_steps": self.total_steps, "stop": self._stop_rule(), "summary": summary}
+        tmp.write_text(json.dumps(record) + "\n")
         os.replace(tmp, path)
 
     def _prepare_run_dir(self) -> None:

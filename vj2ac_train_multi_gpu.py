@@ -298,8 +298,8 @@ def build_parser():
     p.add_argument("--checkpoint_dir", help="default: checkpoints/<run_name>")
     p.add_argument("--log_dir", help="rank_N.log and metrics.jsonl; default: the checkpoint dir")
     p.add_argument("--rollout_horizon", type=int,
-                   help=f"autoregressive steps in the rollout loss; needs T-1 >= it (default: {config.ROLLOUT_HORIZON}; "
-                        f"with --evaluate, the checkpoint's)")
+                   help=f"autoregressive steps in the rollout loss; needs T-1 >= it "
+                        f"(default: {config.ROLLOUT_HORIZON}; with --evaluate, the checkpoint's)")
     p.add_argument("--lr", type=float, help=f"peak learning rate; default by preset: {PRESET_LR}")
     p.add_argument("--weight_decay", type=float, default=0.04, help=d)
     p.add_argument("--warmup_steps", type=int, default=5, help=d)
