@@ -150,11 +150,12 @@ def limit_cpu_threads(local_world_size: int) -> None:
 
 def cuda_index(local_rank: int) -> int:
     """The visible device for this local rank: LOCAL_RANK indexes the devices this process sees, except
-    where a scheduler binds one GPU to each task (`srun --gpus-per-task=1`): then each sees one, as cuda:0."""
+    where a scheduler binds one GPU to each task (`srun --gpus-per-task=1` sets CUDA_VISIBLE_DEVICES per
+    task): then each sees one, as cuda:0. Unbound, two ranks on one GPU would fail later, in NCCL."""
     count = torch.cuda.device_count()
     if local_rank < count:
         return local_rank
-    if count == 1:
+    if count == 1 and os.environ.get("CUDA_VISIBLE_DEVICES"):
         return 0
     raise RuntimeError(f"local rank {local_rank} (LOCAL_RANK or SLURM_LOCALID) has no GPU: this process sees "
                        f"{count} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start at "

@@ -18,7 +18,8 @@ metrics.jsonl has no complete record yet (it has just started) is a row with sta
 Plot layout: the default loss-curve figure has one row per run (train loss, val loss, learning rate on a
 second y axis); --compare puts every run in one axes instead. A --metrics grid has one subplot per metric
 and always overlays the runs. --x epoch is step / steps per epoch, as the trainer states it in val and
-summary records (or where the records' steps and epochs pin it down); without it, it is an error. Bad input (no metrics.jsonl, a corrupt line, an unknown metric) exits with status 2 and a message; a
+summary records (or where the records' steps and epochs pin it down); without it, it is an error. Bad
+input (no metrics.jsonl, a corrupt line, an unknown metric) exits with status 2 and a message; a
 cut-short or non-UTF-8 last line (a run killed mid-write) only warns, as does a record whose step is not a
 whole number (it is skipped); plot leaves out runs with no records yet. Null, NaN and inf values (the trainer
 writes null for the loss of a step skipped for a non-finite loss) are no measurement: curves leave them out.
@@ -436,7 +437,8 @@ def series(run: Run, metric: str, x: str = "step", smooth: int = 1, kind: Option
     """The (xs, ys) plotted for one metric of one run.
 
     kind is the record type to read ("train"/"val"); by default the one that holds the metric. Points whose
-    value is missing, null or not finite are left out, so a moving average is not poisoned by them. Only train series are smoothed: validation points are few and already averages.
+    value is missing, null or not finite are left out, so a moving average is not poisoned by them. Only
+    train series are smoothed: validation points are few and already averages.
     """
     if kind is None:
         kind = "train" if any(metric in r for r in run.train) else "val"

@@ -90,12 +90,17 @@ def test_srun_tasks_share_their_node_not_the_world(no_slurm_step, monkeypatch):
     assert rt.capped_workers(8, int(os.environ["LOCAL_WORLD_SIZE"])) == min(8, rt.cpu_count() // 3)
 
 
-@pytest.mark.parametrize("local_rank, visible, expected", [(1, 4, 1), (1, 1, 0), (3, 2, None)])
-def test_each_local_rank_gets_a_visible_gpu_or_a_clear_error(monkeypatch, local_rank, visible, expected):
-    """srun --gpus-per-task=1 shows each task one GPU, as cuda:0, whatever its SLURM_LOCALID."""
+@pytest.mark.parametrize("local_rank, visible, bound, expected", [(1, 4, None, 1), (1, 1, "3", 0), (1, 1, None, None),
+                                                                  (3, 2, "0,1", None)])
+def test_each_local_rank_gets_a_visible_gpu_or_a_clear_error(monkeypatch, local_rank, visible, bound, expected):
+    """srun --gpus-per-task=1 shows each task one GPU (its own CUDA_VISIBLE_DEVICES), as cuda:0, whatever its
+    SLURM_LOCALID; without such a binding a second rank on the one GPU is an error, not a clash in NCCL."""
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    if bound is not None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", bound)
     if expected is None:
-        with pytest.raises(RuntimeError, match="local rank 3 .*has no GPU: this process sees 2"):
+        with pytest.raises(RuntimeError, match=f"local rank {local_rank} .*has no GPU: this process sees {visible}"):
             rt.cuda_index(local_rank)
     else:
         assert rt.cuda_index(local_rank) == expected
