@@ -1005,7 +1005,9 @@ class DDPTrainer:
                                                if unused else None), save=bool(g_fatal))
         if g_data_errors:
             self._count_data_errors(int(g_data_errors))
+        # the rate this step uses (read before the scheduler moves it on), whether it is taken or skipped
         result = {"count": g_count, "loss": g_loss / max(g_count, 1.0), "stop": g_stop > 0,
+                  "lr": self.optimizer.param_groups[0]["lr"],
                   "extras": {n: v / max(g_count, 1.0) for n, v in zip(names, reduced[9:])}}
 
         scaler_overflow = self.scaler is not None and g_bad_grads > 0  # with a GradScaler, its normal business
@@ -1571,13 +1573,13 @@ class DDPTrainer:
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(epoch=self.epoch, loss=f"{r['loss']:.4f}",
-                                    lr=f"{self.scheduler.get_last_lr()[0]:.2e}",
+                                    lr=f"{r['lr']:.2e}",
                                     samples_s=f"{global_batch / (time.time() - step_t):.0f}", refresh=False)
                 if self.global_step % cfg.log_interval == 0 or self.global_step == 1:
                     rate = window_steps * global_batch / (time.time() - window_t)
                     self.log.info("epoch %d step %d/%d loss %.5f lr %.2e grad_norm %.3f %.0f samples/s",
                                   self.epoch, self.global_step, self.total_steps, r["loss"],
-                                  self.scheduler.get_last_lr()[0], r["grad_norm"], rate, extra={"periodic": True})
+                                  r["lr"], r["grad_norm"], rate, extra={"periodic": True})
                     window_t, window_steps = time.time(), 0
                 # The step's boundary work comes before a stop, so a resumed run repeats none of it.
                 early = bool(cfg.val_interval) and self.global_step % cfg.val_interval == 0 and self._validate()
@@ -1655,7 +1657,7 @@ class DDPTrainer:
         mfu = None if self.mfu_per_unit is None else self.mfu_per_unit * r["count"] / step_time
         record = {"type": "train", "step": self.global_step, "epoch": self.epoch, "loss": _json_number(r["loss"]),
                   **({"mfu": mfu} if mfu is not None else {}),
-                  **{k: _json_number(v) for k, v in r["extras"].items()}, "lr": self.scheduler.get_last_lr()[0],
+                  **{k: _json_number(v) for k, v in r["extras"].items()}, "lr": r["lr"],
                   "grad_norm": _json_number(r["grad_norm"]),
                   "samples_per_s": global_batch / step_time, f"{self.count_unit}_per_s": r["count"] / step_time,
                   "skipped": r["skipped"], "time": time.time() - self.t0}

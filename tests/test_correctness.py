@@ -297,15 +297,22 @@ def _two_rank_runs(rank, world_size, root, specs, later_ports):
     return to_numpy(results)
 
 
+CLIP = 0.05  # far below the LM's first gradient norm (checked in the test)
 TWO_RANK_SPECS = [
     dict(name="lm_b4", data="lm", config=dict(LM, batch_size=4)),
     dict(name="lm_b2_accum2", data="lm", config=dict(LM, batch_size=2, grad_accum_steps=2)),
     dict(name="padded_b4", data="padded", config=dict(PADDED, batch_size=PADDED_B)),
+    dict(name="lm_b4_clip", data="lm", config=dict(LM, batch_size=4, grad_clip=CLIP)),
+    dict(name="padded_b4_sample", data="padded",
+         config=dict(PADDED, batch_size=PADDED_B, loss_normalization="sample")),
 ]
 ONE_RANK_SPECS = [
     dict(name="lm_b8", data="lm", config=dict(LM, batch_size=8)),
     dict(name="lm_b4_accum2", data="lm", config=dict(LM, batch_size=4, grad_accum_steps=2)),
     dict(name="padded_b8", data="padded", config=dict(PADDED, batch_size=2 * PADDED_B)),
+    dict(name="lm_b8_clip", data="lm", config=dict(LM, batch_size=8, grad_clip=CLIP)),
+    dict(name="padded_b8_sample", data="padded",
+         config=dict(PADDED, batch_size=2 * PADDED_B, loss_normalization="sample")),
 ]
 
 
@@ -454,6 +461,46 @@ def test_token_normalised_loss_with_uneven_padding(runs):
     assert rel(one["grads"][0], ref_grad) < RTOL
     # The whole run: 2 ranks x 4 == 1 process x 8, step by step and in the final weights.
     assert_same_training(two[0], one, PAD_STEPS)
+
+
+@pytest.mark.multi
+def test_sample_normalised_loss_is_the_mean_of_per_sample_means(runs):
+    two, (one,) = runs["padded_b4_sample"], runs["padded_b8_sample"]
+    (x0, y0), (x1, y1) = _padded_step1_batch()
+    x, y = torch.cat([x0, x1]), torch.cat([y0, y1])
+    kept = (y != IGNORE_INDEX).sum(1)
+    assert kept.min() < kept.max()  # the samples' token counts differ, so the two means differ
+
+    def per_sample_mean(m):  # written out here, independent of lm_loss
+        per_token = F.cross_entropy(m(x).flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX,
+                                    reduction="none").view_as(y)
+        return (per_token.sum(1) / kept).mean()
+
+    def token_mean(m):
+        return F.cross_entropy(m(x).flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX)
+
+    ref_loss, ref_grad = _loss_and_grad(per_sample_mean)
+    token_loss, token_grad = _loss_and_grad(token_mean)
+    assert rel(token_grad, ref_grad) > MIN_BREAK and abs(token_loss - ref_loss) > MIN_BREAK * ref_loss
+    for r in (one, *two):
+        assert rel(r["grads"][0], ref_grad) < RTOL
+    for r in (one, two[0]):
+        assert abs(step_losses(Path(r["dir"]) / "logs")[0] - ref_loss) < RTOL * ref_loss
+    assert_same_training(two[0], one, PAD_STEPS)
+
+
+@pytest.mark.multi
+def test_clipping_scales_the_global_gradient_down_to_grad_clip(runs):
+    two, (one,) = runs["lm_b4_clip"], runs["lm_b8_clip"]
+    free = runs["lm_b8"][0]["grads"][0]  # the same weights and first batch, not clipped
+    norm = free.double().norm().item()
+    assert norm > 4 * CLIP
+    for r in (one, *two):
+        assert r["grads"][0].double().norm().item() == pytest.approx(CLIP, rel=1e-5)
+        assert rel(r["grads"][0], free * (CLIP / norm)) < RTOL
+        # the logged norm is the one before clipping
+        assert metrics(Path(r["dir"]) / "logs", "train")[0]["grad_norm"] == pytest.approx(norm, rel=1e-5)
+    assert_same_training(two[0], one, LM["max_steps"])
 
 
 @pytest.mark.multi

@@ -204,7 +204,8 @@ def test_a_changed_learning_rate_applies_after_resume(tmp_path, no_launch_env, c
     assert [g["lr"] for g in t.optimizer.param_groups] == [pytest.approx(first, rel=1e-12)] * 2
     t.train()
     lr = {r["step"]: r["lr"] for r in metrics(tmp_path / "logs", "train")}
-    assert lr[7] == pytest.approx(1e-3 * lr_factor(7, 9, BASE["warmup_steps"], "cosine", 0.1), rel=1e-12)
+    assert lr[7] == pytest.approx(first, rel=1e-12)  # a step's record holds the rate it used
+    assert lr[8] == pytest.approx(1e-3 * lr_factor(7, 9, BASE["warmup_steps"], "cosine", 0.1), rel=1e-12)
     assert "this run's [(0.001, 0.05), (0.001, 0.0)] apply" in (tmp_path / "logs" / "rank_0.log").read_text()
 
 

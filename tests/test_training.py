@@ -103,6 +103,20 @@ def test_target_loss_and_patience_stop_early(tmp_path, no_launch_env):
     assert s["status"] == "early_stopped" and s["steps"] == 15  # validations at 5, 10, 15: none improves by 0.1
 
 
+def _stop_early_on_two_ranks(rank, world_size, root):
+    cfg = {**QUICK, **dirs(Path(root)), "max_steps": 200, "dataset_size": 256, "val_interval": 5,
+           "learning_rate": 1e-9, "warmup_steps": 0, "patience": 1, "min_delta": 0.1}
+    s = DDPTrainer(rank=rank, world_size=world_size, config=cfg).train()
+    return s["status"], s["steps"]
+
+
+@pytest.mark.multi
+def test_every_rank_stops_early_at_the_same_step(tmp_path):
+    # a rank that went on alone would wait in the next step's all-reduce until the timeout fails the test
+    assert spawn(_stop_early_on_two_ranks, 2, str(tmp_path), timeout=120) == [("early_stopped", 10)] * 2
+    assert [r["step"] for r in metrics(tmp_path / "logs", "val")] == [5, 10]
+
+
 def test_patience_counts_from_the_last_improvement_by_more_than_min_delta(tmp_path, no_launch_env):
     trainer = DDPTrainer(config={**QUICK, **dirs(tmp_path), "max_steps": 10, "val_interval": 1, "patience": 3,
                                  "min_delta": 0.01})
@@ -191,6 +205,36 @@ def test_flops_per_token_matches_a_measured_count():
     measured = counter.get_total_flops() / x.numel()
     # The estimate counts the embedding lookup as a matmul (the tied head is one): within 15%.
     assert abs(m.flops_per_token() - measured) < 0.15 * measured, (m.flops_per_token(), measured)
+
+
+# The rate each of 10 steps uses (warmup 2, min_lr_ratio 0.1), as multiples of the base rate, worked out
+# by hand: warmup (k+1)/2; cosine 0.1 + 0.45 (1 + cos(pi (k-2)/8)); wsd flat until 2 + 0.8 * 8 = 8 steps
+# are done, then linear toward 0.1 at step 10's end.
+SCHEDULES = {
+    "cosine": [0.5, 1.0, 1.0, 0.965746, 0.868198, 0.722208, 0.55, 0.377792, 0.231802, 0.134254],
+    "wsd": [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.55],
+    "constant": [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0],
+}
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_each_step_logs_the_learning_rate_of_its_schedule(tmp_path, no_launch_env, schedule):
+    cfg = {**QUICK, **dirs(tmp_path), "max_steps": 10, "warmup_steps": 2, "min_lr_ratio": 0.1, "val_interval": 0,
+           "dataset_size": 256, "lr_schedule": schedule}
+    DDPTrainer(config=cfg).train()
+    logged = [r["lr"] / QUICK["learning_rate"] for r in metrics(tmp_path / "logs", "train")]
+    assert logged == pytest.approx(SCHEDULES[schedule], abs=1e-6)
+
+
+def test_matrices_decay_and_biases_and_norm_gains_do_not(tmp_path, no_launch_env):
+    trainer = DDPTrainer(config={**QUICK, **dirs(tmp_path), "weight_decay": 0.05})
+    decay, no_decay = trainer.optimizer.param_groups
+    named = dict(trainer.raw_model.named_parameters())
+    name_of = {id(p): n for n, p in named.items()}
+    assert decay["weight_decay"] == 0.05 and no_decay["weight_decay"] == 0.0
+    assert {name_of[id(p)] for p in decay["params"]} == {n for n, p in named.items() if p.dim() >= 2}
+    assert {name_of[id(p)] for p in no_decay["params"]} == {n for n, p in named.items() if p.dim() < 2}
+    assert {"ln_f.weight", "blocks.0.attn.qkv.bias"} <= {name_of[id(p)] for p in no_decay["params"]}
 
 
 def test_gradient_accumulation_and_sample_normalisation_train(tmp_path, no_launch_env):
