@@ -4,6 +4,7 @@ every fault ends in the same decision on every rank at the same step, with its c
 import json
 import math
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ import torch.nn as nn
 import ddp_runtime as rt
 from conftest import FlakyData, Indices, background, metrics, clean_env, torchrun, torchrun_workers, wait_for_step
 from dist_helpers import spawn
-from ddp_training import CausalLM, DDPTrainer, TrainConfig, lm_loss, synthetic_lm_data
+from ddp_training import CausalLM, DDPTrainer, StepFailed, TrainConfig, lm_loss, synthetic_lm_data
 
 pytestmark = pytest.mark.multi
 
@@ -215,6 +216,27 @@ def test_data_errors_are_counted_collectively(tmp_path):
     failed = spawn(_flaky, 2, str(tmp_path / "b"), 0)
     for r in failed:
         assert "StepFailed" in r["error"] and "unreadable" in r["error"] and "max_errors_per_epoch=0" in r["error"]
+
+
+def _flaky_two_epochs(root, max_errors):
+    data = synthetic_lm_data(TrainConfig.from_dict(CFG))
+    cfg = cfg_for(root, max_errors_per_epoch=max_errors, max_steps=0, num_epochs=2)
+    return DDPTrainer(config=cfg, model=CausalLM(64, 32, 1, 2, 16), val_dataset=data.val,
+                      train_dataset=FlakyData(data.train, bad=range(0, 256, 37))).train()
+
+
+def test_the_data_error_cap_allows_exactly_max_errors_per_epoch(tmp_path, no_launch_env):
+    s = _flaky_two_epochs(tmp_path / "count", 100)
+    counts = [int(n) for n in re.findall(r"\((\d+) this epoch",
+                                         (tmp_path / "count" / "logs" / "rank_0.log").read_text())]
+    epoch_starts = [i for i, n in enumerate(counts) if n == 1]
+    assert len(epoch_starts) == 2, counts  # errors in both epochs, counted from 1 in each
+    per_epoch = [counts[epoch_starts[1] - 1], counts[-1]]
+    cap = max(per_epoch)
+    assert sum(per_epoch) > cap  # counted over the run, they would exceed the cap
+    assert _flaky_two_epochs(tmp_path / "at_cap", cap)["steps"] == s["steps"]
+    with pytest.raises(StepFailed, match=rf"{cap} data errors this epoch, max_errors_per_epoch={cap - 1}"):
+        _flaky_two_epochs(tmp_path / "below", cap - 1)
 
 
 class TwoHeads(nn.Module):

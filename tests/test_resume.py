@@ -192,6 +192,24 @@ def test_the_last_validation_of_a_finished_run_survives_its_extension(tmp_path, 
     assert longer["best_val_loss"] == min(vals.values())
 
 
+def _scripted_validation(trainer: DDPTrainer, losses: list) -> DDPTrainer:
+    """Validations return the given losses in turn; the test set is evaluated for real."""
+    it, real = iter(losses), trainer.evaluate
+    trainer.evaluate = lambda loader=None: real(loader) if loader is not None else {"loss": next(it), "count": 1}
+    return trainer
+
+
+def test_a_resumed_run_keeps_the_best_validation_and_patience_of_its_first_part(tmp_path, no_launch_env):
+    cfg = cfg_for(tmp_path, max_steps=6, val_interval=2, save_every_iters=2, patience=3, min_delta=0.0)
+    _scripted_validation(DDPTrainer(config=cfg), [1.0, 0.5, 0.8]).train()  # best at step 4, one bad since
+    # worse than step 4's, and the third validation in a row without improvement: patience 3 stops at step 10
+    longer = _scripted_validation(DDPTrainer(config={**cfg, "max_steps": 20}), [0.7, 0.6, 0.55, 0.52]).train()
+    assert longer["resumed_from"].endswith("model_state_step_6.pt")
+    assert longer["status"] == "early_stopped" and longer["steps"] == 10
+    assert longer["best_val_loss"] == 0.5
+    assert torch.load(tmp_path / "ckpt" / "model_best.pt", weights_only=True)["global_step"] == 4
+
+
 def test_a_changed_learning_rate_applies_after_resume(tmp_path, no_launch_env, caplog):
     """The optimizer state holds the rate it was saved with: the config's rate and schedule must win."""
     from ddp_training import lr_factor

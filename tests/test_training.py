@@ -226,6 +226,37 @@ def test_each_step_logs_the_learning_rate_of_its_schedule(tmp_path, no_launch_en
     assert logged == pytest.approx(SCHEDULES[schedule], abs=1e-6)
 
 
+class Recorded(torch.utils.data.Dataset):
+    """Notes which samples were read, in order (no loader workers: they are read in this process)."""
+
+    def __init__(self, base):
+        self.base, self.read = base, []
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        self.read.append(i)
+        return self.base[i]
+
+
+def test_each_epoch_reads_every_sample_once_in_its_own_order(tmp_path, no_launch_env):
+    data = _markov(QUICK)
+    train = Recorded(torch.utils.data.Subset(data.train, range(32)))
+    DDPTrainer(config={**QUICK, **dirs(tmp_path), "batch_size": 8, "max_steps": 0, "num_epochs": 3, "seed": 5,
+                       "num_workers": 0}, model=CausalLM(64, 32, 2, 2, 32), train_dataset=train,
+               val_dataset=data.val).train()
+    assert len(train.read) == 3 * 32
+    epochs = [train.read[k * 32:(k + 1) * 32] for k in range(3)]
+    assert all(sorted(e) == list(range(32)) for e in epochs)
+    assert epochs[0] != epochs[1] and epochs[1] != epochs[2] and epochs[0] != epochs[2]
+    # each the permutation of (seed, epoch), which a resumed run recomputes
+    sampler = rt.ResumableDistributedSampler(train, num_replicas=1, rank=0, shuffle=True, seed=5, drop_last=True)
+    for k, order in enumerate(epochs):
+        sampler.set_epoch(k)
+        assert list(sampler) == order
+
+
 def test_matrices_decay_and_biases_and_norm_gains_do_not(tmp_path, no_launch_env):
     trainer = DDPTrainer(config={**QUICK, **dirs(tmp_path), "weight_decay": 0.05})
     decay, no_decay = trainer.optimizer.param_groups
