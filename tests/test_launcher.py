@@ -150,6 +150,15 @@ def test_numbers_are_read_as_decimal(tmp_path, fake_bin):
            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT expects seconds", "'soon'")
 
 
+def test_arguments_with_spaces_and_globs_reach_the_script_whole(tmp_path, fake_bin):
+    (tmp_path / "a").mkdir()  # something an unquoted * would expand to
+    r = launch(["--cpu", "-l", "my logs", "-c", "ckpt *", "--", "--run_name", "a b", "--data", "*"],
+               tmp_path, fake_bin)
+    assert r.returncode == 0, r.stdout
+    for whole in ("[--log_dir][my logs]", "[--checkpoint_dir][ckpt *]", "[--run_name][a b]", "[--data][*]"):
+        assert whole in r.stdout, (whole, r.stdout)
+
+
 def test_torchrun_gives_the_workers_300_s_to_save_unless_told_otherwise(tmp_path, fake_bin):
     r = launch(["--cpu"], tmp_path, fake_bin)
     assert r.returncode == 0 and "grace=300" in r.stdout and "running: TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300 " in r.stdout
