@@ -55,8 +55,9 @@ def test_overhead(tmp_path):
         assert close(r, t / b)
     assert min(out["bare_runs"]) <= out["bare_steps_per_s"] <= max(out["bare_runs"])
     assert out["meets_target"] == (out["ratio"] >= out["target_ratio"]) and out["target_ratio"] == 0.97
-    # same model, seed, batches and schedule: both loops land on nearly the same loss
-    assert abs(out["bare_final_loss"] - out["trainer_final_loss"]) < 0.05
+    # same model, seed, batches and schedule: both loops do the same steps (5e-7 apart, measured; a loop that
+    # skipped its optimizer steps lands 0.05 away)
+    assert abs(out["bare_final_loss"] - out["trainer_final_loss"]) < 1e-4
     assert out["config"]["device"] == "cpu" and out["config"]["autocast"] is None and "gpu" not in out["env"]
     positive(out["flops_per_step"])
     for name, rate in (("bare", out["bare_steps_per_s"]), ("trainer", out["trainer_steps_per_s"])):

@@ -271,6 +271,22 @@ def train_recs(steps, spe, t0=0.0, dt=1.0):
              "samples_per_s": 100.0, "time": t0 + dt * (i + 1)} for i, s in enumerate(steps)]
 
 
+def test_an_incomplete_run_takes_its_best_loss_and_peak_memory_from_any_record(tmp_path, capsys):
+    """The best validation and the memory peak in the middle of the run, not at its end (a resume at step 4
+    started the peaks again)."""
+    recs = train_recs(range(1, 7), spe=6)
+    for r, (rss, cuda) in zip(recs, [(1.0, None), (1.5, 4.0), (1.5, 4.0), (1.1, None), (1.3, 2.0), (1.3, 2.5)]):
+        r.update(cpu_peak_rss_gb=rss, **({"cuda_peak_gb": cuda} if cuda else {}))
+    vals = [{"type": "val", "step": s, "epoch": 0, "val_loss": v, "time": s + 0.5}
+            for s, v in [(2, 3.0), (4, 2.2), (6, 2.6)]]
+    d = write_run(tmp_path / "killed", recs[:2] + vals[:1] + recs[2:4] + vals[1:2] + recs[4:] + vals[2:])
+    assert tl.main(["summary", str(d), "--format", "json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["status"] == "incomplete" and row["steps"] == 6
+    assert row["final_val_loss"] == 2.6 and row["best_val_loss"] == 2.2
+    assert row["peak_mem_gb"] == 4.0
+
+
 def test_epoch_axis_of_a_one_epoch_run(tmp_path):
     """--num_epochs 1: every train record says epoch 0, the closing validation and the summary epoch 1."""
     recs = train_recs(range(1, 9), spe=8) + [

@@ -160,6 +160,22 @@ def test_generated_actions_stay_in_range_even_as_float16():
     assert not actions[..., 3:].any()  # extra channels are zero
 
 
+def test_a_drag_scrolls_the_content_by_the_moves_made_while_down():
+    # state: scroll x, y, cursor x, y, touch; the finger glides from the cursor to (0.5, 0.5), lands there, drags,
+    # and lifts before the last move
+    state = np.array([[0.2, 0.9, 0.3, 0.5, 0.0]])
+    drag = np.array([[[0.5, 0.5, 1], [0.6, 0.5, 1], [0.7, 0.65, 1], [0.9, 0.9, 0]]], dtype=np.float32)
+    after = gen.step_state(state, drag)[0]
+    # moves while down: (+0.1, 0) and (+0.1, +0.15); the y scroll wraps around the screen
+    np.testing.assert_allclose(after, [0.4, 0.05, 0.9, 0.9, 0.0], atol=1e-6)
+    hover = drag.copy()
+    hover[..., 2] = 0
+    np.testing.assert_allclose(gen.step_state(state, hover)[0], [0.2, 0.9, 0.9, 0.9, 0.0], atol=1e-6)
+    # a finger still down from the previous step drags from its first move on
+    held = gen.step_state(np.array([[0.2, 0.9, 0.3, 0.5, 1.0]]), drag)[0]
+    np.testing.assert_allclose(held, [0.6, 0.05, 0.9, 0.9, 0.0], atol=1e-6)
+
+
 def test_cli_real_shapes_and_validation_set(tmp_path, capsys):
     out = tmp_path / "real"
     gen.main(["--output_dir", str(out), "--real_shapes", "--num_files", "1", "--trajectories_per_file", "1",
@@ -388,6 +404,26 @@ def write_nan(p):
     np.savez(p, embeddings=emb, actions=act)
 
 
+def write_int_actions(p):
+    np.savez(p, embeddings=good()[0], actions=(good()[1] > 0.5).astype(np.int32))
+
+
+def write_nan_action(p):
+    emb, act = good()
+    act[1, 0, 2, 0] = np.nan
+    np.savez(p, embeddings=emb, actions=act)
+
+
+def write_no_action_samples(p):
+    emb, act = good()
+    np.savez(p, embeddings=emb, actions=act[:, :, :0])
+
+
+def write_no_patches(p):
+    emb, act = good()
+    np.savez(p, embeddings=emb[:, :, :0], actions=act)
+
+
 def write_no_trajectories(p):
     emb, act = good()
     np.savez(p, embeddings=emb[:0], actions=act[:0])
@@ -429,6 +465,11 @@ BAD_FILES = {
     "step_mismatch": (write_step_mismatch, ["key 'actions'", "has 4 steps", "expected T-1 = 3"]),
     "int_dtype": (write_int_dtype, ["key 'embeddings'", "dtype int32", "expected float16 or float32"]),
     "nan": (write_nan, ["key 'embeddings'", "NaN or inf", "trajectory 1", "expected finite"]),
+    "int_actions": (write_int_actions, ["key 'actions'", "dtype int32", "expected float16 or float32"]),
+    "nan_action": (write_nan_action, ["key 'actions'", "NaN or inf", "trajectory 1", "expected finite"]),
+    "no_action_samples": (write_no_action_samples, ["'actions' (2, 3, 0, 3)", "empty dimension",
+                                                    "expected P, D, A, C >= 1"]),
+    "no_patches": (write_no_patches, ["'embeddings' (2, 4, 0, 32)", "empty dimension"]),
     "no_trajectories": (write_no_trajectories, ["key 'embeddings'", "(0, 4, 16, 32)", "N=0", "expected N >= 1"]),
     "width_one": (write_width_one, ["key 'embeddings'", "D=1", "expected D >= 2", "layer-norms"]),
     "pixel_actions": (write_pixel_actions, ["key 'actions'", "channel 0 (x) from", "channel 1 (y) from",

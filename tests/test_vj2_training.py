@@ -100,11 +100,15 @@ def test_loss_is_teacher_forcing_plus_a_rollout_of_horizon_steps(horizon):
     ref_j, ref_s = manual_losses(model, emb, actions, horizon)
     torch.testing.assert_close(jloss, ref_j)
     torch.testing.assert_close(sloss, ref_s)
-    # rollout step k is penalised against z_k: sloss reaches the targets z_1..z_h and no further, and it reaches
-    # the context z_0 through every fed-back prediction
-    (grad,) = torch.autograd.grad(sloss.sum(), emb)
-    reached = grad.abs().sum((0, 2, 3)) > 0
+    # rollout step k is penalised against z_k: sloss reaches the targets z_1..z_h and no further
+    inputs = [emb, *model.parameters()]
+    grads = torch.autograd.grad(sloss.sum(), inputs)
+    reached = grads[0].abs().sum((0, 2, 3)) > 0
     assert reached.tolist() == [True] + [k <= horizon for k in range(1, T)]
+    # and its gradients flow back through every fed-back prediction, as in the step-by-step reference
+    ref_grads = torch.autograd.grad(ref_s.sum(), inputs)
+    for g, ref in zip(grads, ref_grads):
+        torch.testing.assert_close(g, ref)
 
 
 def test_loss_layer_norms_targets_and_inputs_and_reads_float16():
