@@ -360,8 +360,20 @@ def test_resolved_config_and_example_configs_load(tmp_path, no_launch_env):
     cfg = {**QUICK, **dirs(tmp_path), "max_steps": 2, "val_interval": 0}
     DDPTrainer(config=cfg).train()
     assert config_from_yaml(str(tmp_path / "logs" / "config.yaml")) == dataclasses.asdict(TrainConfig(**cfg))
-    for example in sorted((REPO / "configs").glob("lm_*.yaml")):
-        TrainConfig.from_dict(config_from_yaml(str(example)))
+
+
+def test_example_configs_train_beside_the_default_run(tmp_path, no_launch_env, monkeypatch):
+    """An example is a run of its own: run after the README's default command, it must not try to resume the
+    default run's states (another model) under the default run name."""
+    from ddp_training import main
+    monkeypatch.chdir(tmp_path)
+    quick = ["--cpu", "--max_steps", "2", "--val_interval", "0"]
+    assert main(quick) == 0
+    examples = sorted((REPO / "configs").glob("lm_*.yaml"))
+    assert examples
+    for example in examples:
+        assert main(["--config", str(example), *quick]) == 0
+        assert (tmp_path / "runs" / example.stem / "checkpoints" / "model_final.pt").exists()
 
 
 def test_every_config_key_is_explained_in_help(capsys):
