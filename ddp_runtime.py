@@ -157,7 +157,7 @@ def cuda_index(local_rank: int) -> int:
         return local_rank
     if count == 1 and os.environ.get("CUDA_VISIBLE_DEVICES"):
         return 0
-    raise RuntimeError(f"local rank {local_rank} (LOCAL_RANK or SLURM_LOCALID) has no GPU: this process sees "
+    raise ValueError(f"local rank {local_rank} (LOCAL_RANK or SLURM_LOCALID) has no GPU: this process sees "
                        f"{count} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start at "
                        f"most one process per visible GPU on each node")
 
@@ -176,7 +176,8 @@ def setup_distributed(rank: int, world_size: int, local_rank: Optional[int] = No
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device 'cuda' requested but CUDA is not available")
+        raise ValueError(f"--device cuda: CUDA is not available here (torch {torch.__version__}, "
+                         f"{torch.cuda.device_count()} GPUs seen); use --device cpu or auto")
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if use_cuda:
         dev = torch.device("cuda", cuda_index(local_rank))

@@ -433,25 +433,47 @@ def synthetic_lm_data(cfg: TrainConfig) -> LMData:
                        loss_floor=round(floor, 5)))
 
 
+# Larger than any tokenizer's vocabulary (the largest in use hold about 256k ids): a higher id is a corrupt
+# file or numbers that are no token ids, and would otherwise surface as a failed allocation of the embedding.
+MAX_VOCAB = 1 << 20
+NPY_MAGIC, ZIP_MAGIC = b"\x93NUMPY", b"PK\x03\x04"
+
+
 def load_tokens(path: Path) -> tuple[np.ndarray, int]:
-    """Memory-mapped token ids and vocabulary size; text files are bytes (vocab 256)."""
+    """Memory-mapped token ids and vocabulary size: a .npy array of ids (known by its contents, whatever its
+    name), else a text file read as bytes (vocab 256)."""
+    if path.is_dir():
+        raise ValueError(f"--data {path}: is a directory; expected a .npy token file or a text file")
     if not path.is_file():
         raise FileNotFoundError(f"--data {path}: no such file")
     if path.stat().st_size == 0:  # a map of it fails, naming no file
         raise ValueError(f"--data {path}: the file is empty")
-    if path.suffix == ".npy":
+    with open(path, "rb") as f:
+        magic = f.read(len(NPY_MAGIC))
+    if magic.startswith(ZIP_MAGIC):
+        raise ValueError(f"--data {path}: a zip archive (.npz?); expected a .npy array of token ids (np.save) or "
+                         f"a text file")
+    if magic != NPY_MAGIC:
+        if path.suffix.lower() == ".npy":
+            raise ValueError(f"--data {path}: named .npy but not a NumPy array file (no .npy header)")
+        return np.memmap(path, dtype=np.uint8, mode="r"), 256
+    try:
         tokens = np.load(path, mmap_mode="r", allow_pickle=False)
-        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise ValueError(f"--data {path}: expected a 1-D integer array of token ids, "
-                             f"got shape {tokens.shape} dtype {tokens.dtype}")
-        top = low = 0
-        for i in range(0, len(tokens), 1 << 24):  # chunks of the map: memory stays flat for any file size
-            chunk = tokens[i:i + (1 << 24)]
-            top, low = max(top, int(chunk.max())), min(low, int(chunk.min()))
-        if low < 0:
-            raise ValueError(f"--data {path}: token ids must be >= 0, found {low}")
-        return tokens, top + 1
-    return np.memmap(path, dtype=np.uint8, mode="r"), 256
+    except ValueError as exc:  # a damaged header, or Python objects that cannot be mapped
+        raise ValueError(f"--data {path}: cannot map it as a token array: {exc}") from exc
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"--data {path}: expected a 1-D integer array of token ids, "
+                         f"got shape {tokens.shape} dtype {tokens.dtype}")
+    top = low = 0
+    for i in range(0, len(tokens), 1 << 24):  # chunks of the map: memory stays flat for any file size
+        chunk = tokens[i:i + (1 << 24)]
+        top, low = max(top, int(chunk.max())), min(low, int(chunk.min()))
+    if low < 0:
+        raise ValueError(f"--data {path}: token ids must be >= 0, found {low}")
+    if top >= MAX_VOCAB:
+        raise ValueError(f"--data {path}: token id {top} implies a vocabulary of {top + 1}; expected ids below "
+                         f"{MAX_VOCAB} (a corrupt file, or numbers that are not token ids?)")
+    return tokens, top + 1
 
 
 def unigram_entropy(tokens: np.ndarray, vocab: int) -> float:
@@ -756,6 +778,7 @@ class DDPTrainer:
                checkpoint_extra, weights_key, count_unit, describe):
         cfg, env = self.cfg, self.env
         self.log = rt.setup_logger(cfg.log_dir, env.rank, cfg.debug)
+        self._tb_writer = self._tensorboard_writer() if cfg.tensorboard else None
         self.log.info("rank %d/%d, local_rank %d, device %s, backend %s, timeout %.0fs",
                       env.rank, env.world_size, env.local_rank, env.device, env.backend or "none (1 process)",
                       cfg.dist_timeout)
@@ -1337,12 +1360,14 @@ class DDPTrainer:
                         and key not in ("step", "type", "steps_per_epoch")):
                     self._tb.add_scalar(f"{record['type']}/{key}", value, record["step"])
 
-    def _open_tensorboard(self):
+    @staticmethod
+    def _tensorboard_writer():
+        """The writer class, looked up at set-up: a missing package is bad input, not a failure mid-run."""
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
-            raise RuntimeError("--tensorboard needs the tensorboard package: pip install tensorboard") from exc
-        return SummaryWriter(log_dir=str(Path(self.cfg.log_dir) / "tensorboard"))
+            raise ValueError("--tensorboard needs the tensorboard package: pip install tensorboard") from exc
+        return SummaryWriter
 
     def _link_checkpoints(self) -> None:
         """The run dir points at its checkpoints when they live elsewhere."""
@@ -1508,7 +1533,7 @@ class DDPTrainer:
         self._link_checkpoints()
         for p in rt.remove_stale_temp_files(self.ckpt_dir, self.cfg.checkpoint_prefix):
             self.log.warning("removed %s, left by a write that was cut short", p)
-        self._tb = self._open_tensorboard() if self.cfg.tensorboard else None
+        self._tb = self._tb_writer(log_dir=str(Path(self.cfg.log_dir) / "tensorboard")) if self._tb_writer else None
         self._metrics_file = open(self.metrics_path, "a")
 
     def _loop(self, stop_signal: rt.StopSignal) -> str:

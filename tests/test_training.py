@@ -5,6 +5,7 @@ validation loss falls toward the known floor of the synthetic Markov source.
 Also runs as a script:  python tests/test_training.py [--skip-multi] [--keep-data]
 """
 
+import importlib.util
 import json
 import math
 import os
@@ -452,13 +453,20 @@ def test_cli_precedence_defaults_yaml_flags(tmp_path):
     (["--cpu", "--data", "missing.txt"], "error: FileNotFoundError: --data missing.txt: no such file"),
     (["--cpu", "--nproc", "2", "--data", "missing.txt"], "error: FileNotFoundError: --data missing.txt: no such"),
     (["--cpu", "--data", "empty.txt"], "error: ValueError: --data empty.txt: the file is empty"),
+    (["--cpu", "--data", "."], "error: ValueError: --data .: is a directory"),
+    (["--device", "cuda"], "error: ValueError: --device cuda: CUDA is not available here"),  # CUDA hidden below
+    (["--cpu", "--test", "--tensorboard"], "--tensorboard needs the tensorboard package"),
 ])
 def test_cli_bad_input_exits_2_with_a_clear_message(tmp_path, argv, message):
     (tmp_path / "bad.yaml").write_text("bogus_key: 1\n")
     (tmp_path / "empty.txt").write_text("")
     argv = [a.replace("{yaml}", str(tmp_path / "bad.yaml")) for a in argv]
-    r = run([sys.executable, REPO / "ddp_training.py", *argv], cwd=tmp_path, timeout=60)
+    if "--tensorboard" in argv and importlib.util.find_spec("tensorboard"):
+        pytest.skip("tensorboard is installed here")
+    r = run([sys.executable, REPO / "ddp_training.py", *argv], cwd=tmp_path, timeout=60,
+            env=clean_env(CUDA_VISIBLE_DEVICES=""))
     assert r.returncode == 2 and message in r.stdout, r.stdout
+    assert not list(tmp_path.rglob("FAILED_rank_*")), "bad input is no failed run"
     assert "Traceback" not in r.stdout and r.stdout.count("error:") == 1, r.stdout  # one line, from rank 0
 
 
@@ -672,6 +680,24 @@ def test_bad_data_file_is_a_clear_error(tmp_path, no_launch_env):
         DDPTrainer(config={**QUICK, **dirs(tmp_path), "data": str(tmp_path / "floats.npy")})
     with pytest.raises(FileNotFoundError, match="no such file"):
         DDPTrainer(config={**QUICK, **dirs(tmp_path), "data": str(tmp_path / "missing.txt")})
+    bad = {"ids.npz": "a zip archive \\(.npz\\?\\); expected a .npy array of token ids",
+           "text.npy": "named .npy but not a NumPy array file",
+           "objects.npy": "cannot map it as a token array",
+           "huge.npy": f"token id 1000000000 implies a vocabulary of 1000000001; expected ids below {2 ** 20}",
+           "folder": "is a directory; expected a .npy token file or a text file"}
+    np.savez(tmp_path / "ids.npz", tokens=np.arange(100))
+    (tmp_path / "text.npy").write_text("hello world " * 100)
+    np.save(tmp_path / "objects.npy", np.array([1, "a"], dtype=object), allow_pickle=True)
+    np.save(tmp_path / "huge.npy", np.array([1, 10 ** 9, 3] * 100))
+    (tmp_path / "folder").mkdir()
+    for name, message in bad.items():
+        with pytest.raises(ValueError, match=f"--data .*{name}: {message}"):
+            DDPTrainer(config={**QUICK, **dirs(tmp_path), "data": str(tmp_path / name)})
+    # a .npy array is known by its contents, not by the case of its name
+    np.save(tmp_path / "upper.npy", np.arange(64 * 40) % 64)
+    (tmp_path / "upper.npy").rename(tmp_path / "TOKENS.NPY")
+    t = DDPTrainer(config={**QUICK, **dirs(tmp_path), "data": str(tmp_path / "TOKENS.NPY")})
+    assert isinstance(t.train_loader.dataset.tokens, np.memmap) and t.raw_model.config["vocab_size"] == 64
 
 
 def test_npy_token_file_is_memory_mapped_and_trains(tmp_path, no_launch_env):
