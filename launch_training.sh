@@ -45,7 +45,8 @@ catch them, and would die without a save. Workers get TORCH_ELASTIC_SHUTDOWN_TIM
 Exit status: 0 the run finished; 75 the run was stopped by a signal and left a PREEMPTED marker in its log
 dir (relaunch the same command to resume); 2 bad arguments; otherwise torchrun's status.
 The marker is looked for in the log dir given with -l/--log_dir, else in the scripts' defaults
-(runs/*/, checkpoints/*/ and the -c/--checkpoint_dir dir); pass -l when a --config file moves it.
+(runs/<run_name>/ and checkpoints/<run_name>/ for a --run_name after --, else runs/*/ and checkpoints/*/;
+and the -c/--checkpoint_dir dir); pass -l when a --config file moves it.
 
 Examples:
   ./launch_training.sh --cpu --test
@@ -101,6 +102,7 @@ for pair in batch-size:batch epochs:epochs nproc:nproc nnodes:nnodes node-rank:n
     number=$(to_uint "$value") || die "--$flag expects a non-negative integer (decimal digits), got '$value'"
     printf -v "$var" '%s' "$number"
 done
+[[ "$nproc" != 0 ]] || die "--nproc must be >= 1"  # before the cores are shared out by it
 grace=$(to_uint "${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}") || die "TORCH_ELASTIC_SHUTDOWN_TIMEOUT expects" \
     "seconds as a non-negative integer, got '$TORCH_ELASTIC_SHUTDOWN_TIMEOUT'"
 
@@ -250,7 +252,7 @@ printf ' %q' "${cmd[@]}"; printf '\n'
 # as a child and the launcher exits 75 when torchrun failed and a marker newer than this launch exists in
 # the run's log dir; a --config file can name another log dir, which the launcher does not read.
 marker_dirs() {
-    local explicit=() ckpts=() i a
+    local explicit=() ckpts=() names=() i a
     [[ -n "$log_dir" ]] && explicit+=("$log_dir")
     [[ -n "$ckpt_dir" ]] && ckpts+=("$ckpt_dir")
     for (( i = 0; i < ${#script_args[@]}; i++ )); do
@@ -260,10 +262,14 @@ marker_dirs() {
             --log_dir|--log-dir)                   explicit+=("${script_args[i + 1]:-}") ;;
             --checkpoint_dir=*|--checkpoint-dir=*) ckpts+=("${a#*=}") ;;
             --checkpoint_dir|--checkpoint-dir)     ckpts+=("${script_args[i + 1]:-}") ;;
+            --run_name=*|--run-name=*)             names+=("${a#*=}") ;;
+            --run_name|--run-name)                 names+=("${script_args[i + 1]:-}") ;;
         esac
     done
     if (( ${#explicit[@]} )); then
         printf '%s\n' "${explicit[@]}"
+    elif (( ${#names[@]} )); then  # a run name may nest (exp1/lr3e-4): no glob one level deep finds it
+        printf '%s\n' "${ckpts[@]+"${ckpts[@]}"}" "runs/${names[-1]}" "checkpoints/${names[-1]}"
     else  # ddp_training.py: runs/<run_name>; vj2ac_train_multi_gpu.py: the checkpoint dir (checkpoints/<run_name>)
         printf '%s\n' "${ckpts[@]+"${ckpts[@]}"}" runs/* checkpoints/*
     fi

@@ -144,6 +144,9 @@ def test_numbers_are_read_as_decimal(tmp_path, fake_bin):
     failed(launch(["--gpus", "09"], tmp_path, fake_bin), "GPU 9 does not exist")
     failed(launch(["--cpu", "--nproc", "1" * 19], tmp_path, fake_bin), "--nproc expects a non-negative integer")
     failed(launch(["--cpu", "--nproc", "0x2"], tmp_path, fake_bin), "--nproc expects a non-negative integer", "'0x2'")
+    r = launch(["--cpu", "--nproc", "00"], tmp_path, fake_bin)
+    failed(r, "--nproc must be >= 1")
+    assert "division" not in r.stdout and r.stdout.count("error") == 1, r.stdout
     failed(launch(["--cpu", "--max-restarts", "-1"], tmp_path, fake_bin), "--max-restarts expects a non-negative integer",
            "'-1'")
     failed(launch(["--cpu"], tmp_path, fake_bin, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="soon"),
@@ -197,6 +200,9 @@ def write_marker(path: Path, step: int = 7) -> None:
     (["--", "--log-dir=elsewhere"], "elsewhere"),
     (["--script", "vj2ac_train_multi_gpu.py", "-c", "ck"], "ck"),             # vj2ac: log dir = checkpoint dir
     (["--script", "vj2ac_train_multi_gpu.py"], "checkpoints/vj2ac"),
+    (["--", "--run_name", "exp1/lr3e-4"], "runs/exp1/lr3e-4"),                # a nested run name
+    (["--", "--run-name=a/b/c"], "runs/a/b/c"),
+    (["--script", "vj2ac_train_multi_gpu.py", "--", "--run_name", "v/1"], "checkpoints/v/1"),
 ])
 def test_a_failed_torchrun_with_a_new_marker_exits_75(tmp_path, fake_bin, argv, log_dir):
     r = launch(["--cpu", *argv], tmp_path, fake_bin,
@@ -213,6 +219,9 @@ def test_an_old_marker_or_a_clean_exit_is_not_a_preemption(tmp_path, fake_bin):
     assert r.returncode == 3 and "preempted" not in r.stdout, r.stdout
     # With -l the marker is only looked for there, not in other runs' dirs.
     r = launch(["--cpu", "-l", "mine"], tmp_path, fake_bin, FAKE_TORCHRUN_THEN="touch runs/lm/PREEMPTED; exit 1")
+    assert r.returncode == 1, r.stdout
+    r = launch(["--cpu", "--", "--run_name", "mine"], tmp_path, fake_bin,
+               FAKE_TORCHRUN_THEN="touch runs/lm/PREEMPTED; exit 1")  # nor, with a run name, in another run's
     assert r.returncode == 1, r.stdout
     r = launch(["--cpu"], tmp_path, fake_bin, FAKE_TORCHRUN_THEN="touch runs/lm/PREEMPTED; exit 0")
     assert r.returncode == 0, r.stdout
