@@ -1182,10 +1182,11 @@ class DDPTrainer:
     def save_checkpoint(self, tag: str) -> Path:
         """Rank 0 writes the checkpoint payload atomically, in the background unless async_checkpoint
         is off; a failed write is an error on every rank."""
-        path = self.checkpoint_path(tag)
-        self.writer.save(self.checkpoint_payload(), path, group=self.global_step)
-        self.log.info("%s checkpoint %s (step %d%s)", self._saved(), path, self.global_step,
-                      "" if self.last_val is None else f", val_loss {self.last_val:.6f}")
+        path, payload = self.checkpoint_path(tag), self.checkpoint_payload()
+        self.writer.save(payload, path, group=self.global_step)
+        if self.env.is_main:
+            self.log.info("%s checkpoint %s (step %d%s)", self._saved(), path, self.global_step,
+                          f", val_loss {payload['val_loss']:.6f}" if "val_loss" in payload else "")
         return path
 
     # -- resumable state ----------------------------------------------------------
@@ -1235,8 +1236,9 @@ class DDPTrainer:
         self.writer.save(self.state_payload(), path, group=self.global_step,
                          then=lambda: rt.keep_newest(self.state_files(), self.cfg.keep_states))
         self.state_step = self.global_step
-        self.log.info("%s resumable state %s (step %d, epoch %d, %d steps into the epoch)", self._saved(), path,
-                      self.global_step, self.epoch, self.step_in_epoch)
+        if self.env.is_main:
+            self.log.info("%s resumable state %s (step %d, epoch %d, %d steps into the epoch)", self._saved(),
+                          path, self.global_step, self.epoch, self.step_in_epoch)
         return path
 
     def _train_samples(self) -> int:

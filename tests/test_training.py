@@ -92,6 +92,9 @@ def test_checkpoint_cadence_and_names(tmp_path, no_launch_env):
                             # the newest two resumable states (steps 30 and 32 = end of epoch 2)
                             "lm_state_step_30.pt", "lm_state_step_32.pt"])
     assert torch.load(tmp_path / "ckpt" / "lm_step_12.pt", weights_only=True)["global_step"] == 12
+    # the log names a checkpoint's validation loss only where its weights were validated (the epoch ends)
+    log = (tmp_path / "logs" / "rank_0.log").read_text()
+    assert "lm_epoch_1.pt (step 16, val_loss " in log and "lm_step_18.pt (step 18)\n" in log
     assert not list((tmp_path / "ckpt").glob("*.tmp"))
 
 
@@ -116,6 +119,9 @@ def test_every_rank_stops_early_at_the_same_step(tmp_path):
     # a rank that went on alone would wait in the next step's all-reduce until the timeout fails the test
     assert spawn(_stop_early_on_two_ranks, 2, str(tmp_path), timeout=120) == [("early_stopped", 10)] * 2
     assert [r["step"] for r in metrics(tmp_path / "logs", "val")] == [5, 10]
+    # only rank 0 writes checkpoints, and only its log says so
+    assert "model_best.pt (step 5, val_loss " in (tmp_path / "logs" / "rank_0.log").read_text()
+    assert " checkpoint " not in (tmp_path / "logs" / "rank_1.log").read_text()
 
 
 def test_patience_counts_from_the_last_improvement_by_more_than_min_delta(tmp_path, no_launch_env):
