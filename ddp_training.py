@@ -60,7 +60,8 @@ HELP = {
     "data": "text file (byte tokens, vocab 256) or .npy of token ids (memory-mapped); unset: a synthetic Markov "
             "chain",
     "dataset_size": "synthetic training sequences", "markov_branching": "successors per token in the synthetic chain",
-    "val_fraction": "share of the data held out for validation", "test_fraction": "share held out for the test",
+    "val_fraction": "share of the data held out for validation (synthetic data: at least 64 sequences); 0 = none",
+    "test_fraction": "share held out for the test (as val_fraction)",
     "num_workers": "DataLoader workers per rank",
     "pin_memory": "page-locked host memory on CUDA (batches, checkpoint host copies)",
     "data_strategy": "shard: every rank reads its own part; dispatch: rank 0 reads global batches and sends each "
@@ -418,13 +419,15 @@ def sample_chain(P: np.ndarray, n: int, length: int, rng: np.random.Generator) -
 def synthetic_lm_data(cfg: TrainConfig) -> LMData:
     P = markov_chain(cfg.vocab_size, cfg.markov_branching, cfg.seed)
     rng = np.random.default_rng(cfg.seed + 1)
-    n_eval = max(64, int(cfg.dataset_size * cfg.val_fraction))
-    n_test = max(64, int(cfg.dataset_size * cfg.test_fraction))
+    def held_out(fraction):  # at least 64 sequences, so a small dataset_size still gets a meaningful loss; 0 = none
+        return max(64, int(cfg.dataset_size * fraction)) if fraction > 0 else 0
+
+    n_eval, n_test = held_out(cfg.val_fraction), held_out(cfg.test_fraction)
     width = cfg.seq_len + 1
     seqs = sample_chain(P, cfg.dataset_size + n_eval + n_test, width, rng).reshape(-1)
 
     def part(first, count):
-        return TokenSequences(seqs, cfg.seq_len, np.arange(first, first + count) * width)
+        return TokenSequences(seqs, cfg.seq_len, np.arange(first, first + count) * width) if count else None
 
     floor = entropy_rate(P)
     return LMData(part(0, cfg.dataset_size), part(cfg.dataset_size, n_eval),
@@ -496,12 +499,14 @@ def file_lm_data(cfg: TrainConfig) -> LMData:
         return np.arange(lo, hi - width + 1, cfg.seq_len)
 
     splits = [windows(0, n_train), windows(n_train, n_train + n_val), windows(n_train + n_val, n)]
-    for name, s in zip(("training", "validation", "test"), splits):
-        if len(s) == 0:
+    wanted = [True, cfg.val_fraction > 0, cfg.test_fraction > 0]  # a fraction of 0: no such split
+    for name, s, want in zip(("training", "validation", "test"), splits, wanted):
+        if want and len(s) == 0:
             raise ValueError(f"--data {path}: {n} tokens leave no {name} window of seq_len+1={width} tokens; "
                              f"use a bigger file, a smaller seq_len or other val/test fractions")
     ent = unigram_entropy(tokens[:n_train], vocab)
-    return LMData(*(TokenSequences(tokens, cfg.seq_len, s) for s in splits), vocab,
+    return LMData(*(TokenSequences(tokens, cfg.seq_len, s) if want else None for s, want in zip(splits, wanted)),
+                  vocab,
                   dict(source=f"{path} ({n} tokens)", unigram_entropy=round(ent, 5)))
 
 
@@ -848,6 +853,10 @@ class DDPTrainer:
         else:
             self.train_loader = loader(train_dataset, True)
         self.val_loader = loader(val_dataset, False) if val_dataset is not None else None
+        if self.val_loader is None and (cfg.patience or cfg.target_loss is not None):
+            raise ValueError(f"patience={cfg.patience}, target_loss={cfg.target_loss}: early stopping reads the "
+                             f"validation loss, and this run has no validation set (val_fraction 0, or no "
+                             f"val_dataset)")
         self.test_loader = loader(test_dataset, False) if test_dataset is not None else None
         self.non_blocking = pin
 

@@ -124,6 +124,24 @@ def test_every_rank_stops_early_at_the_same_step(tmp_path):
     assert " checkpoint " not in (tmp_path / "logs" / "rank_1.log").read_text()
 
 
+@pytest.mark.parametrize("data", ["synthetic", "file"])
+def test_a_fraction_of_zero_holds_nothing_out(tmp_path, no_launch_env, data):
+    cfg = {**QUICK, **dirs(tmp_path), "max_steps": 4, "val_fraction": 0.0, "test_fraction": 0.0}
+    if data == "file":
+        write_text_corpus(tmp_path / "c.txt", 20_000)
+        cfg["data"] = str(tmp_path / "c.txt")
+    trainer = DDPTrainer(config=cfg)
+    assert trainer.val_loader is None and trainer.test_loader is None
+    if data == "file":  # the tokens a validation set would hold train instead
+        held = DDPTrainer(config={**cfg, "val_fraction": 0.1, **dirs(tmp_path / "held")})
+        assert len(trainer.train_loader.dataset) > len(held.train_loader.dataset) + 0.9 * len(held.val_loader.dataset)
+    s = trainer.train()
+    assert s["status"] == "completed" and s["final_val_loss"] is None and s["test_loss"] is None
+    assert metrics(tmp_path / "logs", "val") == []
+    with pytest.raises(ValueError, match="patience=2, target_loss=None: early stopping reads the validation loss"):
+        DDPTrainer(config={**cfg, "patience": 2})
+
+
 def test_patience_counts_from_the_last_improvement_by_more_than_min_delta(tmp_path, no_launch_env):
     trainer = DDPTrainer(config={**QUICK, **dirs(tmp_path), "max_steps": 10, "val_interval": 1, "patience": 3,
                                  "min_delta": 0.01})
