@@ -238,12 +238,12 @@ def lm_config(args):
 
 
 def add_model_flags(p, batch_size=DEFAULTS.batch_size):
-    p.add_argument("--hidden_size", type=int, default=DEFAULTS.hidden_size)
-    p.add_argument("--num_layers", type=int, default=DEFAULTS.num_layers)
-    p.add_argument("--num_heads", type=int, default=DEFAULTS.num_heads)
-    p.add_argument("--seq_len", type=int, default=DEFAULTS.seq_len)
-    p.add_argument("--vocab_size", type=int, default=DEFAULTS.vocab_size)
-    p.add_argument("--batch_size", type=int, default=batch_size, help="per process")
+    p.add_argument("--hidden_size", type=at_least(1), default=DEFAULTS.hidden_size)
+    p.add_argument("--num_layers", type=at_least(1), default=DEFAULTS.num_layers)
+    p.add_argument("--num_heads", type=at_least(1), default=DEFAULTS.num_heads)
+    p.add_argument("--seq_len", type=at_least(1), default=DEFAULTS.seq_len)
+    p.add_argument("--vocab_size", type=at_least(1), default=DEFAULTS.vocab_size)
+    p.add_argument("--batch_size", type=at_least(1), default=batch_size, help="per process")
 
 # -----------------------------------------------------------------------------------------------------------------
 # overhead: DDPTrainer vs a bare loop, same model, batches, optimizer and threads
@@ -322,7 +322,7 @@ def parse_settings(items):
     for item in items:
         key, sep, value = item.partition("=")
         if not sep:
-            raise SystemExit(f"error: --trainer_set expects KEY=VALUE, got {item!r}")
+            raise ValueError(f"expected KEY=VALUE, got {item!r}")
         try:
             out[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -773,11 +773,9 @@ def link_subset(files, dest):
 def cmd_loader(args):
     set_threads(args.threads)
     check_device(args.device)
-    if args.train_steps < 1 or args.train_warmup < 0:
-        raise SystemExit("error: --train_steps must be >= 1 and --train_warmup >= 0")
     geometry = dict(steps=args.steps, patches=args.patches, embed_dim=args.embed_dim,
                     actions_per_step=args.actions_per_step, channels=args.channels)
-    workers = [int(w) for w in args.workers.split(",")]
+    workers = args.workers
     out = {"command": "loader", "env": environment(args.device),
            "config": dict(geometry, dtype="float16", batch_size=args.batch_size, workers=workers, device=args.device,
                           preset=args.preset,
@@ -966,8 +964,9 @@ def cmd_checkpoint(args):
     device = check_device(args.device)
     cuda = device.type == "cuda"
     out = {"command": "checkpoint", "env": environment(args.device),
-           "config": dict(sizes=args.sizes, seq_len=args.seq_len, vocab_size=args.vocab_size, repeats=args.repeats,
-                          threads=args.threads, device=args.device, dir=str(args.dir or tempfile.gettempdir())),
+           "config": dict(sizes=",".join(name for name, _, _ in args.sizes), seq_len=args.seq_len,
+                          vocab_size=args.vocab_size, repeats=args.repeats, threads=args.threads, device=args.device,
+                          dir=str(args.dir or tempfile.gettempdir())),
            "timed": ("median of repeats. serialize: torch.save into memory; write: torch.save into a file and fsync "
                      "it (write w/o fsync also given); save: "
                      "ddp_runtime.atomic_save (temp file, fsync, rename, SHA-256 sidecar, directory fsync), what "
@@ -986,8 +985,7 @@ def cmd_checkpoint(args):
                         "async_pageable are not" if cuda else ""))}
     models = []
     with workdir(args.dir) as tmp:
-        for size in args.sizes.split(","):
-            hidden, layers = (int(v) for v in size.lower().split("x"))
+        for size, hidden, layers in args.sizes:
             heads = DEFAULTS.num_heads if hidden % DEFAULTS.num_heads == 0 else 1
             model, weights, state = payloads(hidden, layers, heads, args.seq_len, args.vocab_size,
                                              tmp / f"payload_{size}", args.device)
@@ -1055,23 +1053,58 @@ def cmd_checkpoint(args):
 # -----------------------------------------------------------------------------------------------------------------
 
 
+def at_least(minimum):
+    """An argparse type: an integer >= minimum, refused with the flag's name before anything runs."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+    return parse
+
+
+def worker_counts(text):
+    return [at_least(0)(w) for w in text.split(",")]
+
+
+def model_sizes(text):
+    """HIDDENxLAYERS,... -> [(name, hidden, layers)]."""
+    out = []
+    for size in text.split(","):
+        hidden, x, layers = size.lower().partition("x")
+        if not (x and hidden.isdigit() and layers.isdigit() and int(hidden) >= 1 and int(layers) >= 1):
+            raise argparse.ArgumentTypeError(f"expected comma-separated HIDDENxLAYERS (e.g. 128x4), got {size!r}")
+        out.append((size, int(hidden), int(layers)))
+    return out
+
+
+def existing_dir(text):
+    if not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not an existing directory")
+    return text
+
+
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of tables")
-    common.add_argument("--dir", help="parent of the temporary work directory; None: the system temp dir")
+    common.add_argument("--dir", type=existing_dir,
+                        help="parent of the temporary work directory; None: the system temp dir")
     common.add_argument("--timeout", type=float, default=600.0, help="seconds any child process may run")
     fmt = argparse.ArgumentDefaultsHelpFormatter
 
     o = sub.add_parser("overhead", parents=[common], formatter_class=fmt,
                        help="DDPTrainer (1 process, all checks on) vs a bare PyTorch loop, interleaved")
     add_model_flags(o)
-    o.add_argument("--steps", type=int, default=200, help="timed steps per run")
-    o.add_argument("--warmup", type=int, default=5, help="untimed steps at the start of each run")
-    o.add_argument("--repeats", type=int, default=5, help="interleaved pairs (bare, trainer)")
-    o.add_argument("--threads", type=int, default=rt.cpu_count(), help="intra-op threads, both loops")
+    o.add_argument("--steps", type=at_least(1), default=200, help="timed steps per run")
+    o.add_argument("--warmup", type=at_least(0), default=5, help="untimed steps at the start of each run")
+    o.add_argument("--repeats", type=at_least(1), default=5, help="interleaved pairs (bare, trainer)")
+    o.add_argument("--threads", type=at_least(1), default=rt.cpu_count(), help="intra-op threads, both loops")
     o.add_argument("--seed", type=int, default=DEFAULTS.seed)
     o.add_argument("--trainer_set", action="append", default=[], metavar="KEY=VALUE",
                    help="change a trainer config key for the trainer runs only (repeatable), e.g. cleanup_interval=0")
@@ -1088,11 +1121,11 @@ def build_parser():
     s = sub.add_parser("scaling", parents=[common], formatter_class=fmt,
                        help="weak scaling: 1 vs --nproc gloo processes, batch and threads per process fixed")
     add_model_flags(s)
-    s.add_argument("--nproc", type=int, default=2)
-    s.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
-    s.add_argument("--steps", type=int, default=60, help="timed steps per run")
-    s.add_argument("--warmup", type=int, default=10, help="untimed steps at the start of each run")
-    s.add_argument("--repeats", type=int, default=3, help="interleaved repeats (1, N, 1, N, ...)")
+    s.add_argument("--nproc", type=at_least(2), default=2)
+    s.add_argument("--threads", type=at_least(1), default=1, help="intra-op threads per process")
+    s.add_argument("--steps", type=at_least(1), default=60, help="timed steps per run")
+    s.add_argument("--warmup", type=at_least(0), default=10, help="untimed steps at the start of each run")
+    s.add_argument("--repeats", type=at_least(1), default=3, help="interleaved repeats (1, N, 1, N, ...)")
     s.add_argument("--seed", type=int, default=DEFAULTS.seed)
     s.add_argument("--trainer_set", action="append", default=[], metavar="KEY=VALUE",
                    help="change a trainer config key for the trainer runs (repeatable), e.g. static_graph=false")
@@ -1103,22 +1136,26 @@ def build_parser():
 
     ld = sub.add_parser("loader", parents=[common], formatter_class=fmt,
                         help="VJ2TrajectoryDataset samples/s (0, 1, 2 workers) vs a training step; peak memory")
-    ld.add_argument("--workers", default="0,1,2", help="comma-separated worker counts")
-    ld.add_argument("--batch_size", type=int, default=4, help="trajectories per batch (the AC trainer's default)")
-    ld.add_argument("--files", type=int, default=12, help="files of the 1x dataset; the 3x dataset has 3x as many")
-    ld.add_argument("--traj_per_file", type=int, default=2)
-    ld.add_argument("--steps", type=int, default=config.NUM_STEPS, help="T")
-    ld.add_argument("--patches", type=int, default=config.PATCHES_PER_STEP, help="P")
-    ld.add_argument("--embed_dim", type=int, default=config.EMBED_DIM, help="D")
-    ld.add_argument("--actions_per_step", type=int, default=config.ACTIONS_PER_STEP, help="A")
-    ld.add_argument("--channels", type=int, default=config.ACTION_CHANNELS, help="C")
-    ld.add_argument("--max_open_files", type=int, help="the dataset's LRU of open files; None: the dataset's own default")
-    ld.add_argument("--warm_epochs", type=int, default=2, help="timed epochs after the cold one")
-    ld.add_argument("--rss_epochs", type=int, default=2, help="epochs over each dataset while sampling memory")
-    ld.add_argument("--train_steps", type=int, default=3, help="timed training steps, after --train_warmup")
-    ld.add_argument("--train_warmup", type=int, default=1,
+    ld.add_argument("--workers", type=worker_counts, default="0,1,2", help="comma-separated worker counts")
+    ld.add_argument("--batch_size", type=at_least(1), default=4,
+                    help="trajectories per batch (the AC trainer's default)")
+    ld.add_argument("--files", type=at_least(1), default=12,
+                    help="files of the 1x dataset; the 3x dataset has 3x as many")
+    ld.add_argument("--traj_per_file", type=at_least(1), default=2)
+    ld.add_argument("--steps", type=at_least(2), default=config.NUM_STEPS, help="T")
+    ld.add_argument("--patches", type=at_least(1), default=config.PATCHES_PER_STEP, help="P")
+    ld.add_argument("--embed_dim", type=at_least(config.MIN_EMBED_DIM), default=config.EMBED_DIM, help="D")
+    ld.add_argument("--actions_per_step", type=at_least(1), default=config.ACTIONS_PER_STEP, help="A")
+    ld.add_argument("--channels", type=at_least(len(config.ACTION_CHANNEL_NAMES)), default=config.ACTION_CHANNELS,
+                    help="C")
+    ld.add_argument("--max_open_files", type=at_least(1),
+                    help="the dataset's LRU of open files; None: the dataset's own default")
+    ld.add_argument("--warm_epochs", type=at_least(1), default=2, help="timed epochs after the cold one")
+    ld.add_argument("--rss_epochs", type=at_least(1), default=2, help="epochs over each dataset while sampling memory")
+    ld.add_argument("--train_steps", type=at_least(1), default=3, help="timed training steps, after --train_warmup")
+    ld.add_argument("--train_warmup", type=at_least(0), default=1,
                     help="untimed training steps first (on a GPU the first few steps still pick kernels: take more)")
-    ld.add_argument("--threads", type=int, default=rt.cpu_count(), help="intra-op threads of the training step")
+    ld.add_argument("--threads", type=at_least(1), default=rt.cpu_count(), help="intra-op threads of the training step")
     ld.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the training step runs")
     ld.add_argument("--preset", default=config.DEFAULT_PREDICTOR_PRESET, choices=list(config.PREDICTOR_PRESETS),
                     help="the AC predictor the training step trains")
@@ -1126,22 +1163,28 @@ def build_parser():
 
     c = sub.add_parser("checkpoint", parents=[common], formatter_class=fmt,
                        help="save/load time and size of weights-only and full resumable checkpoints")
-    c.add_argument("--sizes", default=f"{DEFAULTS.hidden_size}x{DEFAULTS.num_layers},512x8",
+    c.add_argument("--sizes", type=model_sizes, default=f"{DEFAULTS.hidden_size}x{DEFAULTS.num_layers},512x8",
                    help="comma-separated HIDDENxLAYERS of the LM")
-    c.add_argument("--seq_len", type=int, default=DEFAULTS.seq_len)
-    c.add_argument("--vocab_size", type=int, default=DEFAULTS.vocab_size)
-    c.add_argument("--repeats", type=int, default=5)
-    c.add_argument("--threads", type=int, default=rt.cpu_count())
-    c.add_argument("--loop_saves", type=int, default=3, help="saves timed inside a real training run; 0 = skip")
-    c.add_argument("--loop_save_every", type=int, default=4, help="save_every_iters of that run")
-    c.add_argument("--loop_batch", type=int, default=4, help="batch size of that run")
+    c.add_argument("--seq_len", type=at_least(1), default=DEFAULTS.seq_len)
+    c.add_argument("--vocab_size", type=at_least(1), default=DEFAULTS.vocab_size)
+    c.add_argument("--repeats", type=at_least(1), default=5)
+    c.add_argument("--threads", type=at_least(1), default=rt.cpu_count())
+    c.add_argument("--loop_saves", type=at_least(0), default=3, help="saves timed inside a real training run; 0 = skip")
+    c.add_argument("--loop_save_every", type=at_least(3), default=4,
+                   help="save_every_iters of that run (>= 3: the step periods without a save are the baseline)")
+    c.add_argument("--loop_batch", type=at_least(1), default=4, help="batch size of that run")
     c.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the payloads' tensors live")
     c.set_defaults(fn=cmd_checkpoint)
     return p
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:  # an unknown key or a bad value, refused before any run
+        TrainConfig.from_dict(parse_settings(getattr(args, "trainer_set", [])))
+    except ValueError as exc:
+        parser.error(f"--trainer_set: {exc}")
     args.fn(args)
     return 0
 

@@ -127,7 +127,7 @@ def test_loader(tmp_path):
 
 def test_checkpoint(tmp_path):
     out = bench(tmp_path, "checkpoint", "--sizes", "32x1,64x1", "--seq_len", 16, "--repeats", 1, "--loop_saves", 2,
-                "--loop_save_every", 2, "--loop_batch", 4, "--threads", 1)
+                "--loop_save_every", 3, "--loop_batch", 4, "--threads", 1)
     check_env(out, "checkpoint")
     assert [m["name"] for m in out["models"]] == ["32x1", "64x1"]
     for m in out["models"]:
@@ -144,8 +144,8 @@ def test_checkpoint(tmp_path):
         assert close(m["sync_blocked_over_write"], m["blocked_sync_s"] / m["write_s"])
         assert set(m["in_loop"]) == {"async", "sync"}
         for loop in m["in_loop"].values():
-            assert loop["saves"] == len(loop["blocked_runs"]) == 2 and loop["save_every_iters"] == 2
-            assert loop["steps"] == 5
+            assert loop["saves"] == len(loop["blocked_runs"]) == 2 and loop["save_every_iters"] == 3
+            assert loop["steps"] == 7
             positive(loop["blocked_s"], *loop["blocked_runs"], loop["step_s"], loop["step_with_save_s"])
             assert close(loop["period_blocked_s"], loop["step_with_save_s"] - loop["step_s"])
         assert close(m["in_loop"]["async"]["blocked_over_write"], m["in_loop"]["async"]["blocked_s"] / m["write_s"])
@@ -164,3 +164,23 @@ def test_table_output(tmp_path, capsys, no_launch_env):
     assert "| model (params) | payload |" in out and "| 32x1 (0.02M) | weights |" in out and "torch" in out
     with pytest.raises(json.JSONDecodeError):
         json.loads(out)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["scaling", "--nproc", "1"], "argument --nproc: expected an integer >= 2, got 1"),
+    (["overhead", "--repeats", "0"], "argument --repeats: expected an integer >= 1, got 0"),
+    (["overhead", "--steps", "many"], "argument --steps: expected an integer >= 1, got 'many'"),
+    (["overhead", "--threads", "0"], "argument --threads: expected an integer >= 1, got 0"),
+    (["overhead", "--trainer_set", "bogus=1"], "--trainer_set: unknown config key 'bogus'"),
+    (["overhead", "--trainer_set", "patience"], "--trainer_set: expected KEY=VALUE, got 'patience'"),
+    (["checkpoint", "--loop_save_every", "2"], "argument --loop_save_every: expected an integer >= 3, got 2"),
+    (["checkpoint", "--sizes", "64"], "argument --sizes: expected comma-separated HIDDENxLAYERS (e.g. 128x4), got '64'"),
+    (["checkpoint", "--dir", "/no/such/dir"], "argument --dir: '/no/such/dir' is not an existing directory"),
+    (["loader", "--workers", "0,-1"], "argument --workers: expected an integer >= 0, got -1"),
+    (["loader", "--batch_size", "0"], "argument --batch_size: expected an integer >= 1, got 0"),
+])
+def test_bad_arguments_are_refused_before_any_run(argv, message, capsys):
+    import benchmark
+    with pytest.raises(SystemExit) as stop:
+        benchmark.main(argv)
+    assert stop.value.code == 2 and message in capsys.readouterr().err
