@@ -458,7 +458,13 @@ class ShardSampler(Sampler):
         return len(self.indices)
 
 
-def _seed_worker(worker_id: int) -> None:
+def _init_worker(worker_id: int) -> None:
+    # torchrun, SLURM and a Ctrl-C signal a rank's whole process group, workers included. A worker killed by
+    # the stop signal fails the rank's next batch and turns a clean stop (save, exit 75) into a crash; so the
+    # workers ignore the signals the rank stops on, and the rank ends them when it stops (a rank that dies
+    # outright takes them with it: they watch their parent).
+    for name in StopSignal.SIGNALS:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
     # Each worker's torch seed is already distinct (base_seed + id); derive the rest from it.
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)
@@ -539,7 +545,7 @@ def build_dataloader(dataset: Dataset, batch_size: int, *, train: bool, rank: in
                   generator=generator, collate_fn=collate_fn)
     if workers > 0:
         kwargs.update(persistent_workers=True, prefetch_factor=prefetch_factor,
-                      worker_init_fn=_seed_worker, timeout=timeout_s)
+                      worker_init_fn=_init_worker, timeout=timeout_s)
         # Without workers the process's own streams serve the samples, and the resumable state holds them.
         dataset, sampler = _SeededSamples(dataset, seed, train), _KeyedSampler(sampler)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **kwargs)

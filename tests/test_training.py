@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -524,13 +525,21 @@ def test_nproc_spawns_two_ranks_without_torchrun(tmp_path):
 
 
 @pytest.mark.multi
-def test_sigterm_to_a_local_nproc_run_saves_and_exits_75(tmp_path):
-    # --nproc runs without torchrun: its parent process must pass the signal on and wait for the save
+@pytest.mark.parametrize("to_group", [False, True], ids=["to-the-parent", "to-the-group-with-loader-workers"])
+def test_sigterm_to_a_local_nproc_run_saves_and_exits_75(tmp_path, to_group):
+    # --nproc runs without torchrun: its parent process must pass the signal on and wait for the save. Sent to
+    # the process group (as torchrun, SLURM and Ctrl-C do), it reaches the DataLoader workers too, which must
+    # not die of it and fail the rank's next batch.
     cmd = [sys.executable, REPO / "ddp_training.py", "--cpu", "--nproc", "2", "--test", "--max_steps", "100000",
-           "--val_interval", "0", "--log_interval", "1", "--log_dir", "logs", "--checkpoint_dir", "ckpt"]
+           "--val_interval", "0", "--log_interval", "1", "--log_dir", "logs", "--checkpoint_dir", "ckpt",
+           "--num_workers", "1" if to_group else "0"]
     with background(cmd, tmp_path, env=clean_env()) as proc:
         wait_for_step(tmp_path / "logs" / "metrics.jsonl", 3, timeout=90)
-        proc.send_signal(signal.SIGTERM)
+        if to_group:
+            assert len(psutil.Process(proc.pid).children(recursive=True)) >= 4  # 2 ranks, a worker each
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 75, out[-3000:]
     step = json.loads((tmp_path / "logs" / "PREEMPTED").read_text())["step"]
