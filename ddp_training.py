@@ -1236,7 +1236,12 @@ class DDPTrainer:
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict() if self.scaler else None,
                 "counters": {k: getattr(self, k) for k in self.STATE_COUNTERS},
-                "rng": per_rank_rng, "run": self._run_signature()}
+                "rng": per_rank_rng, "run": self._run_signature(), "seeded_samples": self._seeded_samples()}
+
+    def _seeded_samples(self) -> bool:
+        """Whether loader workers read the samples, each under a seed of its own (see rt.build_dataloader)."""
+        loader = getattr(self.train_loader, "reader", self.train_loader)
+        return getattr(loader, "num_workers", 0) > 0
 
     def save_state(self) -> Path:
         """Rank 0 writes the resumable state like a checkpoint, then prunes to the newest keep_states."""
@@ -1319,6 +1324,12 @@ class DDPTrainer:
                 raise StateMismatch(f"{path} was written with {key}={state['run'][key]}, this run has "
                                     f"{key}={value}; resuming with a different {key} is refused (resume none "
                                     f"or another run_name starts fresh; or use the original setting)")
+        saved = state.get("seeded_samples")  # absent from states written before 25 Nov 2026
+        if saved is not None and saved != self._seeded_samples() and self.env.is_main:
+            self.log.warning("%s was written with %s loader workers, this run has %s: a dataset that draws random "
+                             "numbers in __getitem__ (augmentation) draws others than an unbroken run would, so the "
+                             "weights will not match one bit for bit (a dataset without randomness is unaffected)",
+                             path, "some" if saved else "no", "some" if not saved else "none")
         if len(state["rng"]) != self.env.world_size:
             raise KeyError(f"{path} holds RNG streams of {len(state['rng'])} ranks, this run has "
                            f"{self.env.world_size}")

@@ -100,6 +100,14 @@ def test_augmentation_in_workers_resumes_bit_identical_with_any_worker_count(tmp
     assert_bit_identical(final_weights(tmp_path / "one"), final_weights(tmp_path / "ref"))
 
 
+def test_resuming_with_workers_after_none_or_none_after_some_says_the_draws_differ(tmp_path, no_launch_env):
+    augmented_run(tmp_path, num_workers=2, loss_fn=SignalAt(6))
+    again = augmented_run(tmp_path, num_workers=0)
+    assert again["resumed_from"].endswith("state_step_6.pt")
+    assert ("model_state_step_6.pt was written with some loader workers, this run has none: a dataset that draws "
+            "random numbers") in (tmp_path / "logs" / "rank_0.log").read_text()
+
+
 def test_resume_none_starts_fresh_and_sets_the_old_states_aside(tmp_path, no_launch_env):
     DDPTrainer(config=cfg_for(tmp_path)).train()  # leaves states 15 and 20
     s = DDPTrainer(config=cfg_for(tmp_path, resume="none", max_steps=14)).train()
