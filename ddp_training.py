@@ -418,13 +418,15 @@ def sample_chain(P: np.ndarray, n: int, length: int, rng: np.random.Generator) -
 
 def synthetic_lm_data(cfg: TrainConfig) -> LMData:
     P = markov_chain(cfg.vocab_size, cfg.markov_branching, cfg.seed)
-    rng = np.random.default_rng(cfg.seed + 1)
     def held_out(fraction):  # at least 64 sequences, so a small dataset_size still gets a meaningful loss; 0 = none
         return max(64, int(cfg.dataset_size * fraction)) if fraction > 0 else 0
 
     n_eval, n_test = held_out(cfg.val_fraction), held_out(cfg.test_fraction)
     width = cfg.seq_len + 1
-    seqs = sample_chain(P, cfg.dataset_size + n_eval + n_test, width, rng).reshape(-1)
+    # a stream per split: the training set does not change with the held-out fractions (a resumed run with
+    # another val_fraction trains on the same samples)
+    seqs = np.concatenate([sample_chain(P, n, width, np.random.default_rng([cfg.seed + 1, split])).reshape(-1)
+                           for split, n in enumerate((cfg.dataset_size, n_eval, n_test))])
 
     def part(first, count):
         return TokenSequences(seqs, cfg.seq_len, np.arange(first, first + count) * width) if count else None

@@ -143,6 +143,14 @@ def test_a_fraction_of_zero_holds_nothing_out(tmp_path, no_launch_env, data):
         DDPTrainer(config={**cfg, "patience": 2})
 
 
+def test_the_synthetic_training_set_does_not_depend_on_the_held_out_fractions():
+    base = _markov({**QUICK, "dataset_size": 256})
+    other = _markov({**QUICK, "dataset_size": 256, "val_fraction": 0.5, "test_fraction": 0.0})
+    assert all(torch.equal(base.train[i][0], other.train[i][0]) for i in range(256))
+    assert len(other.val) == 128 and other.test is None
+    assert not torch.equal(base.train[0][0], base.val[0][0])  # the splits are no copies of each other
+
+
 def test_patience_counts_from_the_last_improvement_by_more_than_min_delta(tmp_path, no_launch_env):
     trainer = DDPTrainer(config={**QUICK, **dirs(tmp_path), "max_steps": 10, "val_interval": 1, "patience": 3,
                                  "min_delta": 0.01})
