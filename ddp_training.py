@@ -1477,6 +1477,11 @@ class DDPTrainer:
                 summary = self._finish(self._loop(stop_signal))
             clean = True
         except BaseException as exc:
+            if isinstance(exc, Exception) and not isinstance(exc, StepFailed) and is_collective_error(exc):
+                # a peer failed outside a training step (validation, a save, a metrics write): name it
+                explained = self._explain_failure(exc)
+                self.log.error("training failed at step %d: %s", self.global_step, explained)
+                raise explained from exc
             self.log.error("training failed at step %d: %s: %s", self.global_step, type(exc).__name__, exc)
             if not isinstance(exc, StepFailed):  # the original error: let the other ranks name it
                 rt.write_failure_marker(self.cfg.log_dir, self.env.rank, self.global_step + 1, exc)
@@ -1609,9 +1614,14 @@ class DDPTrainer:
                     rt.write_failure_marker(self.cfg.log_dir, self.env.rank, self.global_step + 1, exc)
                     self._save_weights_here()
                     raise
-                except Exception as exc:  # a peer died or hung: say which and where, then fail
-                    self._save_weights_here()
-                    raise self._explain_failure(exc) from exc
+                except Exception as exc:
+                    if is_collective_error(exc):  # a peer died or hung: say which and where, then fail
+                        self._save_weights_here()
+                        raise self._explain_failure(exc) from exc
+                    # this rank's own error past the step's agreement (in optimizer.step, say): the marker names it
+                    # to the others, who meet it at their next collective; these weights may be half-updated
+                    rt.write_failure_marker(self.cfg.log_dir, self.env.rank, self.global_step + 1, exc)
+                    raise
                 if first and cfg.first_step_timeout > cfg.dist_timeout:  # also the first step after a resume
                     rt.set_collective_timeout(cfg.dist_timeout)
                 self.global_step += 1

@@ -189,6 +189,56 @@ def test_infinite_gradient_with_a_finite_loss_on_one_rank_skips_the_step_everywh
         assert "non-finite loss or gradients at step 3" in (tmp_path / "logs" / f"rank_{rank}.log").read_text()
 
 
+def _failing_optimizer_step(rank, world_size, root, bad_rank, step):
+    trainer = DDPTrainer(rank=rank, world_size=world_size, config=cfg_for(root))
+    calls = []
+
+    def hook(*_):
+        calls.append(1)
+        if rank == bad_rank and len(calls) == step:
+            raise RuntimeError("injected failure in optimizer.step")
+    trainer.optimizer.register_step_pre_hook(hook)
+    try:
+        trainer.train()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_a_failure_past_the_steps_agreement_is_named_on_every_rank(tmp_path):
+    """An error in optimizer.step on one rank (a GPU out of memory as AdamW allocates its state, say) comes after
+    the step's all-reduce: the other rank meets it only at the next collective, and must still name it."""
+    r0, r1 = spawn(_failing_optimizer_step, 2, str(tmp_path), 1, 3, timeout=90)
+    assert r1 == "RuntimeError: injected failure in optimizer.step"
+    assert "StepFailed: step 4: rank 1 failed: RuntimeError: injected failure in optimizer.step" in r0, r0
+    marker = json.loads((tmp_path / "logs" / "FAILED_rank_1").read_text())
+    assert marker["step"] == 3 and "injected failure in optimizer.step" in marker["error"]
+
+
+def _failing_metrics_write(rank, world_size, root):
+    trainer = DDPTrainer(rank=rank, world_size=world_size, config=cfg_for(root, val_interval=4, save_every_iters=4))
+    write = trainer.write_metrics
+
+    def full_disk(record):
+        if rank == 0 and record["type"] == "val":
+            raise OSError(28, "No space left on device", "metrics.jsonl")
+        write(record)
+    trainer.write_metrics = full_disk
+    try:
+        trainer.train()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_a_failure_outside_a_step_is_named_on_every_rank(tmp_path):
+    """Rank 0 fails writing the validation's record; rank 1 meets it in the next collective, not in a step."""
+    r0, r1 = spawn(_failing_metrics_write, 2, str(tmp_path), timeout=90)
+    assert r0.startswith("OSError: [Errno 28] No space left on device")
+    assert "StepFailed: step 5: rank 0 failed: OSError: [Errno 28] No space left on device" in r1, r1
+    assert not (tmp_path / "logs" / "FAILED_rank_1").exists()  # its failure was rank 0's
+
+
 def test_a_rank_that_dies_does_not_hang_the_other(tmp_path):
     t0 = time.time()
     with pytest.raises(RuntimeError, match=r"ranks \[1\] did not report \(exit codes \{1: 3\}"):
