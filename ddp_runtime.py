@@ -459,10 +459,11 @@ class ShardSampler(Sampler):
 
 
 def _init_worker(worker_id: int) -> None:
-    # torchrun, SLURM and a Ctrl-C signal a rank's whole process group, workers included. A worker killed by
-    # the stop signal fails the rank's next batch and turns a clean stop (save, exit 75) into a crash; so the
-    # workers ignore the signals the rank stops on, and the rank ends them when it stops (a rank that dies
-    # outright takes them with it: they watch their parent).
+    # torchrun, SLURM and a Ctrl-C signal a rank's whole process group (SLURM: every process of the step),
+    # workers included. A worker killed by the stop signal fails the rank's next batch and turns a clean stop
+    # (save, exit 75) into a crash; so the workers ignore the signals the rank stops on, and the rank ends them
+    # when it stops (stop_workers, with SIGKILL for a stuck one; a rank that dies outright takes them with it:
+    # they watch their parent).
     for name in StopSignal.SIGNALS:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
     # Each worker's torch seed is already distinct (base_seed + id); derive the rest from it.
@@ -559,7 +560,12 @@ def stop_workers(loader: Any) -> None:
     loader = getattr(loader, "reader", loader)
     it = getattr(loader, "_iterator", None)
     if it is not None and hasattr(it, "_shutdown_workers"):
+        workers = list(getattr(it, "_workers", []))
         it._shutdown_workers()
+        for w in workers:  # a stuck worker outlives terminate(): its SIGTERM is ignored (see _init_worker)
+            if w.is_alive():
+                w.kill()
+                w.join(5.0)
         loader._iterator = None
 
 

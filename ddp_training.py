@@ -66,6 +66,8 @@ HELP = {
     "pin_memory": "page-locked host memory on CUDA (batches, checkpoint host copies)",
     "data_strategy": "shard: every rank reads its own part; dispatch: rank 0 reads global batches and sends each "
                      "rank its part (for streams)",
+    "loader_timeout": "seconds a rank waits for a batch from its DataLoader workers before the run fails (a stuck "
+                      "worker: a hung read, a deadlock)",
     "batch_size": "samples per rank and micro-step", "grad_accum_steps": "micro-steps per optimizer step (no_sync)",
     "learning_rate": "peak AdamW learning rate", "weight_decay": "AdamW decay (not on biases and norms)",
     "grad_clip": "clip the global gradient norm to this; 0 = off",
@@ -124,6 +126,7 @@ class TrainConfig:
     num_workers: int = 0
     pin_memory: bool = True
     data_strategy: str = "shard"
+    loader_timeout: float = 120.0
     # optimisation
     batch_size: int = 32
     grad_accum_steps: int = 1
@@ -206,7 +209,7 @@ class TrainConfig:
                     "dropout"):
             if getattr(self, key) < 0:
                 raise ValueError(f"config key {key!r} must be >= 0, got {getattr(self, key)}")
-        for key in ("learning_rate", "bucket_cap_mb"):
+        for key in ("learning_rate", "bucket_cap_mb", "loader_timeout"):
             if getattr(self, key) is not None and not getattr(self, key) > 0:
                 raise ValueError(f"config key {key!r} must be > 0, got {getattr(self, key)}")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -669,7 +672,10 @@ def next_batch(batches) -> Any:
     except Exception as exc:  # agreed on in the step, counted or fatal
         text = f"{type(exc).__name__}: {exc}"
         worker_died = "DataLoader worker" in text and ("exited unexpectedly" in text or "killed by signal" in text)
-        return BatchError(text, fatal=worker_died or getattr(exc, "fatal", False))
+        stuck = "DataLoader timed out" in text  # every later batch would wait as long: no bad sample to skip
+        if stuck:
+            text += " (a worker is stuck: a hung read or a deadlock; loader_timeout sets the wait)"
+        return BatchError(text, fatal=worker_died or stuck or getattr(exc, "fatal", False))
 
 
 # What gloo's and NCCL's failures say; gloo raises them as plain RuntimeErrors
@@ -843,7 +849,7 @@ class DDPTrainer:
         pin = cfg.pin_memory and env.device.type == "cuda"
         loader = lambda ds, train: rt.build_dataloader(  # noqa: E731
             ds, cfg.batch_size, train=train, rank=env.rank, world_size=env.world_size, seed=cfg.seed,
-            num_workers=cfg.num_workers, pin_memory=pin, collate_fn=collate_fn,
+            num_workers=cfg.num_workers, pin_memory=pin, collate_fn=collate_fn, timeout_s=cfg.loader_timeout,
             local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size)))
         if isinstance(train_dataset, torch.utils.data.IterableDataset) and cfg.data_strategy != "dispatch":
             raise ValueError("an iterable (streamed) training set cannot be sharded by index; "
@@ -851,7 +857,8 @@ class DDPTrainer:
         if cfg.data_strategy == "dispatch":
             self.train_loader = rt.DispatchLoader(train_dataset, cfg.batch_size, rank=env.rank,
                                                   world_size=env.world_size, seed=cfg.seed, collate_fn=collate_fn,
-                                                  num_workers=cfg.num_workers, pin_memory=pin)
+                                                  num_workers=cfg.num_workers, pin_memory=pin,
+                                                  timeout_s=cfg.loader_timeout)
         else:
             self.train_loader = loader(train_dataset, True)
         self.val_loader = loader(val_dataset, False) if val_dataset is not None else None

@@ -9,6 +9,7 @@ import signal
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import torch.nn as nn
@@ -237,6 +238,58 @@ def test_a_failure_outside_a_step_is_named_on_every_rank(tmp_path):
     assert r0.startswith("OSError: [Errno 28] No space left on device")
     assert "StepFailed: step 5: rank 0 failed: OSError: [Errno 28] No space left on device" in r1, r1
     assert not (tmp_path / "logs" / "FAILED_rank_1").exists()  # its failure was rank 0's
+
+
+class StopsItsWorker(torch.utils.data.Dataset):
+    """On rank 1, the loader worker that reads a sample from index 100 on stops (SIGSTOP: a hung read), after
+    it noted its pid in `pid_file`."""
+
+    def __init__(self, base, rank, pid_file):
+        self.base, self.rank, self.pid_file = base, rank, pid_file
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        if self.rank == 1 and i >= 100 and torch.utils.data.get_worker_info() is not None:
+            Path(self.pid_file).write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return self.base[i]
+
+
+def _stuck_worker(rank, world_size, root):
+    data = synthetic_lm_data(TrainConfig.from_dict(CFG))
+    cfg = cfg_for(root, num_workers=1, loader_timeout=3, max_steps=40)
+    t0 = time.time()
+    try:
+        DDPTrainer(rank=rank, world_size=world_size, config=cfg, model=CausalLM(64, 32, 1, 2, 16),
+                   train_dataset=StopsItsWorker(data.train, rank, Path(root) / "stuck_pid"),
+                   val_dataset=data.val).train()
+        return {"error": None}
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.time() - t0}
+
+
+def test_a_stuck_loader_worker_fails_the_run_at_its_first_timeout(tmp_path):
+    """Not a bad sample to skip: every later batch would wait as long. The step is abandoned on both ranks
+    with the cause named, and the stopped worker does not outlive the run."""
+    try:
+        r0, r1 = spawn(_stuck_worker, 2, str(tmp_path), timeout=90)
+        for r in (r0, r1):
+            assert "failed on rank 1: data loading failed: RuntimeError: DataLoader timed out after 3" in r["error"]
+            assert "a worker is stuck" in r["error"]
+        assert r1["seconds"] < 40  # one timeout (3 s), not one per step until max_errors_per_epoch
+        time.sleep(1)
+        stuck = psutil.Process(int((tmp_path / "stuck_pid").read_text()))
+        assert stuck.status() == psutil.STATUS_ZOMBIE, "the stopped worker outlived its rank"
+    except psutil.NoSuchProcess:
+        pass  # killed and reaped: as it should be
+    finally:
+        if (tmp_path / "stuck_pid").exists():
+            try:
+                psutil.Process(int((tmp_path / "stuck_pid").read_text())).kill()
+            except psutil.NoSuchProcess:
+                pass
 
 
 def test_a_rank_that_dies_does_not_hang_the_other(tmp_path):
