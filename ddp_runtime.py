@@ -1153,6 +1153,10 @@ class CheckpointWriter:
             if self._pending == 0:
                 self._memo = {}
 
+    def failed(self) -> bool:
+        """Whether a background write has failed (known on rank 0 only), without waiting for any."""
+        return self._error is not None
+
     def flush(self) -> None:
         """Wait (every rank) until rank 0 has written everything saved so far; raise on every
         rank if a write failed."""

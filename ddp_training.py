@@ -1036,11 +1036,13 @@ class DDPTrainer:
         if tally.names != names and fatal is None:  # the all-reduce below packs `names`, the same on every rank
             fatal = (f"loss_fn returned the extras {tally.names} at step {self.global_step + 1}, but {names} at "
                      f"the first step; every rank and step must return the same names")
-        flags = [stop_signal.received is not None, data_errors, fatal is not None, bool(unused), oom]
+        flags = [stop_signal.received is not None, data_errors, fatal is not None, bool(unused), oom,
+                 self.writer.failed()]
         reduced = rt.all_reduce_tensor(tally.packed(flags, names), on_device=True)
         # the agreement and the norm come back together: with NCCL the step's one host sync (a GradScaler adds its own)
         *reduced, raw_norm_value = torch.cat([reduced, raw_norm.reshape(1).to(reduced.device)]).tolist()
-        g_count, g_loss, g_nonfinite, g_bad_grads, g_stop, g_data_errors, g_fatal, g_unused, g_oom = reduced[:9]
+        (g_count, g_loss, g_nonfinite, g_bad_grads, g_stop, g_data_errors, g_fatal, g_unused, g_oom,
+         g_write_failed) = reduced[:10]
         if g_fatal or g_unused:
             self._raise_collectively(fatal or (f"parameters without gradients: {', '.join(unused)}"
                                                if unused else None), save=bool(g_fatal))
@@ -1048,8 +1050,8 @@ class DDPTrainer:
             self._count_data_errors(int(g_data_errors))
         # the rate this step uses (read before the scheduler moves it on), whether it is taken or skipped
         result = {"count": g_count, "loss": g_loss / max(g_count, 1.0), "stop": g_stop > 0,
-                  "lr": self.optimizer.param_groups[0]["lr"],
-                  "extras": {n: v / max(g_count, 1.0) for n, v in zip(names, reduced[9:])}}
+                  "lr": self.optimizer.param_groups[0]["lr"], "write_failed": g_write_failed > 0,
+                  "extras": {n: v / max(g_count, 1.0) for n, v in zip(names, reduced[10:])}}
 
         scaler_overflow = self.scaler is not None and g_bad_grads > 0  # with a GradScaler, its normal business
         nonfinite = (g_nonfinite > 0 or (g_bad_grads > 0 and self.scaler is None)) and not g_oom
@@ -1636,6 +1638,8 @@ class DDPTrainer:
                 self.samples_seen += global_batch
                 window_steps += 1
                 self._after_step(r, time.time() - step_t, global_batch)
+                if r["write_failed"]:
+                    self._save_again_after_a_failed_write()
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(epoch=self.epoch, loss=f"{r['loss']:.4f}",
@@ -1688,6 +1692,19 @@ class DDPTrainer:
             self.log.removeHandler(h)
             self.log.addHandler(above)
         return tqdm(total=self.total_steps, initial=self.global_step, unit="step", file=sys.stdout)
+
+    def _save_again_after_a_failed_write(self) -> None:
+        """A background write failed (rank 0 said so in this step's all-reduce). Save this step's state at once
+        and wait for it: a passing failure (a disk that was full for a moment) then costs no work, where waiting
+        for the next save point would leave two intervals unsaved. If this write fails too, the run stops."""
+        try:
+            self.writer.flush()  # the failed write's error, on every rank
+        except Exception as exc:
+            if is_collective_error(exc):
+                raise
+            self.log.error("%s; saving the resumable state of step %d now", exc, self.global_step)
+        self.save_state()
+        self.writer.flush()
 
     def _save_weights_here(self) -> None:
         """Rank 0 writes the weights without the others (they may be gone): a step that failed in a

@@ -292,6 +292,44 @@ def test_a_stuck_loader_worker_fails_the_run_at_its_first_timeout(tmp_path):
                 pass
 
 
+def _failing_writes(rank, world_size, root, failing: str):
+    """Rank 0's writes of files whose name contains `failing` fail as on a full disk."""
+    if rank == 0:
+        save = rt.atomic_save
+
+        def full_disk(obj, path):
+            if failing in str(path):
+                raise OSError(28, "No space left on device")
+            return save(obj, path)
+        rt.atomic_save = full_disk
+    cfg = cfg_for(root, save_every_iters=3, keep_states=10)
+    try:
+        s = DDPTrainer(rank=rank, world_size=world_size, config=cfg).train()
+        return {"status": s["status"], "steps": s["steps"]}
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def saved_state_steps(root) -> list:
+    return sorted(int(p.stem.rsplit("_", 1)[1]) for p in (Path(root) / "ckpt").glob("model_state_step_*.pt"))
+
+
+def test_a_failed_background_write_is_saved_again_at_once(tmp_path):
+    """The state of step 6 fails to write once: the ranks learn it at the next step's all-reduce and save
+    that step's state right away, not three steps later at the next save point."""
+    assert spawn(_failing_writes, 2, str(tmp_path / "once"), "state_step_6.pt", timeout=90) == [
+        {"status": "completed", "steps": 12}] * 2
+    steps = saved_state_steps(tmp_path / "once")
+    assert steps in ([3, 7, 9, 12], [3, 8, 9, 12]), steps
+    log = (tmp_path / "once" / "logs" / "rank_0.log").read_text()
+    assert "model_state_step_6.pt failed: OSError: [Errno 28] No space left on device" in log
+    assert "saving the resumable state of step" in log
+    # a disk that stays full stops the run there, on every rank, naming the file
+    for r in spawn(_failing_writes, 2, str(tmp_path / "full"), "state_step_", timeout=90):
+        assert "No space left on device" in r["error"] and "model_state_step_" in r["error"], r
+    assert saved_state_steps(tmp_path / "full") == []
+
+
 def test_a_rank_that_dies_does_not_hang_the_other(tmp_path):
     t0 = time.time()
     with pytest.raises(RuntimeError, match=r"ranks \[1\] did not report \(exit codes \{1: 3\}"):
