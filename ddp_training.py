@@ -664,6 +664,19 @@ def _json_number(x: float) -> Optional[float]:
     return x if math.isfinite(x) else None
 
 
+def json_line(record: dict) -> str:
+    """Strict JSON: a non-finite number (a NaN validation loss) is written as null, never as NaN."""
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        return v
+    return json.dumps(clean(record), allow_nan=False)
+
+
 def next_batch(batches) -> Any:
     try:
         return next(batches)
@@ -1385,7 +1398,7 @@ class DDPTrainer:
     def write_metrics(self, record: dict) -> None:
         if not self.env.is_main:
             return
-        self._metrics_file.write(json.dumps(record) + "\n")
+        self._metrics_file.write(json_line(record) + "\n")
         self._metrics_file.flush()
         if self._tb is not None and "step" in record:
             for key, value in record.items():
@@ -1429,6 +1442,9 @@ class DDPTrainer:
         self.log.debug("[DDP] Rank %d: Exiting validation at epoch %d, iter %d", self.env.rank, self.epoch,
                        self.global_step)
         self.last_val, self.last_val_step = res["loss"], self.global_step
+        if not math.isfinite(res["loss"]):
+            self.log.warning("the validation loss at step %d is %s: the model diverged or the validation data hold "
+                             "non-finite values; it counts as no improvement", self.global_step, res["loss"])
         if self.state_step == self.global_step:  # that state predates this validation: the run's end saves again
             self.state_step = None
         # Patience counts from the last improvement by more than min_delta, so many small steps do not
@@ -1557,7 +1573,7 @@ class DDPTrainer:
         path = Path(self.cfg.log_dir) / COMPLETED_MARKER
         tmp = path.with_name(f".{path.name}.tmp")
         record = {"total_steps": self.total_steps, "stop": self._stop_rule(), "summary": summary}
-        tmp.write_text(json.dumps(record) + "\n")
+        tmp.write_text(json_line(record) + "\n")
         os.replace(tmp, path)
 
     def _prepare_run_dir(self) -> None:
@@ -1855,7 +1871,7 @@ class DDPTrainer:
         self.write_metrics({"type": "summary", **summary})
         if status != "interrupted":  # last: a relaunch of this run then has nothing to do
             rt.run_on_rank0(self._write_completed_marker, summary, what="writing the COMPLETED marker")
-        self.log.info("finished (%s): %s", status, json.dumps(summary))
+        self.log.info("finished (%s): %s", status, json_line(summary))
         return summary
 
 

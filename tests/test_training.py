@@ -333,6 +333,25 @@ def test_nonfinite_loss_skips_the_step_and_gives_up_after_max_bad_steps(tmp_path
     assert saved["global_step"] == 13 and all(torch.isfinite(v).all() for v in saved["model"].values())
 
 
+def test_a_nan_validation_loss_is_null_in_strict_json_and_no_improvement(tmp_path, no_launch_env):
+    from ddp_training import COMPLETED_MARKER, lm_loss
+
+    def nan_when_validating(model, batch):
+        s, c = lm_loss(model, batch)
+        return (s * float("nan") if not model.training else s), c
+    cfg = {**QUICK, **dirs(tmp_path), "max_steps": 6, "val_interval": 2, "patience": 2}
+    s = DDPTrainer(config=cfg, loss_fn=nan_when_validating).train()
+    assert s["status"] == "early_stopped" and s["steps"] == 4  # two validations without an improvement
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+    for path in (tmp_path / "logs" / "metrics.jsonl", tmp_path / "logs" / COMPLETED_MARKER):
+        records = [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+    assert [r["val_loss"] for r in metrics(tmp_path / "logs", "val")] == [None, None]
+    assert records[0]["summary"]["final_val_loss"] is None
+    assert "the validation loss at step 2 is nan" in (tmp_path / "logs" / "rank_0.log").read_text()
+
+
 # -- configuration and CLI errors ---------------------------------------------------
 
 def test_unknown_config_key_names_the_key(tmp_path):
