@@ -836,12 +836,19 @@ class SetUpWatch:
         self._thread.start()
         return self
 
+    # A stop sent to a process group and also passed on by a parent (spawn_local, a launcher) arrives twice
+    # within milliseconds: that is one stop, not a second.
+    REPEAT_AFTER_S = 0.5
+
     def _watch(self) -> None:
-        seen = 0
+        first = None
         while data := os.read(self._read, 64):
             for signum in data:
-                seen += signum in self.signums
-                if seen >= 2:
+                if signum not in self.signums:
+                    continue
+                if first is None:
+                    first = time.monotonic()
+                elif time.monotonic() - first >= self.REPEAT_AFTER_S:
                     os.write(2, f"second {signal.Signals(signum).name} during set-up: exiting at once\n".encode())
                     os._exit(128 + signum)
 

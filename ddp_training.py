@@ -2020,6 +2020,12 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker) -> int:
         while not context.join(grace_period=SAVE_GRACE_S if forwarded else None):
             pass
     except mp.ProcessExitedException as exc:
+        if forwarded and exc.exit_code == -forwarded[0] != -signal.SIGINT:
+            # a rank still importing torch has no handler yet, and dies of the stop: nothing was trained, so
+            # this is a preemption like any other (relaunch to resume from the newest state)
+            print(f"stopped by {signal.Signals(forwarded[0]).name} while the ranks were starting: nothing to save",
+                  file=sys.stderr)
+            return rt.EXIT_PREEMPTED
         return exc.exit_code if exc.exit_code in (rt.EXIT_PREEMPTED, EXIT_BAD_INPUT) else 1
     finally:
         for sig, handler in previous.items():

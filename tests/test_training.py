@@ -574,6 +574,32 @@ def test_sigterm_to_a_local_nproc_run_saves_and_exits_75(tmp_path, to_group):
 
 
 @pytest.mark.multi
+@pytest.mark.parametrize("when", ["while-the-ranks-import-torch", "during-their-set-up"])
+def test_a_stop_to_the_group_of_a_starting_nproc_run_stops_it_at_step_1_with_a_save(tmp_path, when):
+    """The group gets one SIGTERM (`kill -TERM -PGID`) and the parent passes it on: the ranks must neither die
+    of it before they have a handler nor take the two deliveries for the 'second signal' that ends set-up."""
+    cmd = [sys.executable, REPO / "ddp_training.py", "--cpu", "--nproc", "2", "--test", "--log_dir", "logs",
+           "--checkpoint_dir", "ckpt"]
+    with background(cmd, tmp_path, env=clean_env()) as proc:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            ranks = psutil.Process(proc.pid).children()
+            started = len(ranks) >= 2 if when.startswith("while") else (tmp_path / "logs" / "rank_1.log").exists()
+            if started:
+                break
+            time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 75, out[-3000:]
+    if when.startswith("while"):  # a rank without a handler yet dies of it: nothing was trained, nothing lost
+        assert "stopped by SIGTERM while the ranks were starting: nothing to save" in out
+        assert not (tmp_path / "logs" / "metrics.jsonl").exists() or not metrics(tmp_path / "logs", "train")
+    else:
+        assert json.loads((tmp_path / "logs" / "PREEMPTED").read_text())["step"] == 1
+        assert (tmp_path / "ckpt" / "model_state_step_1.pt").exists()
+
+
+@pytest.mark.multi
 def test_launcher_cpu_test_end_to_end(tmp_path):
     env = clean_env(PYTHON=sys.executable, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     t0 = time.time()
