@@ -264,6 +264,9 @@ def check_output_dir(output_dir, split, num_files):
     Refuses a directory holding any .npz that this call will not overwrite: the loader reads every *.npz in
     a directory, so a leftover file (a larger earlier run, the other split) would silently join this set.
     """
+    if Path(output_dir).exists() and not Path(output_dir).is_dir():
+        raise ValueError(f"{OUTPUT_FLAGS[split]} {output_dir}: is a file; expected a directory (new or holding "
+                         f"only this set's .npz files)")
     planned = set(file_names(split, num_files))
     others = sorted(p.name for p in Path(output_dir).glob("*.npz") if p.name not in planned)
     if others:

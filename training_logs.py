@@ -203,8 +203,18 @@ def find_steps_per_epoch(records: list) -> Optional[int]:
     return lo if lo == hi else None
 
 
+def run_dir_of(path) -> Path:
+    """A run directory, also when its metrics file is named instead."""
+    path = Path(path)
+    if path.is_file() and path.name == METRICS_FILE:
+        return path.parent
+    if path.is_file():
+        raise LogError(f"{path}: a file; expected a run directory (the one holding {METRICS_FILE})")
+    return path
+
+
 def load_run(run_dir, name: Optional[str] = None) -> Run:
-    run_dir = Path(run_dir)
+    run_dir = run_dir_of(run_dir)
     path = run_dir / METRICS_FILE
     if not run_dir.is_dir():
         raise LogError(f"{run_dir}: no such directory")
@@ -246,7 +256,7 @@ def load_runs(dirs=(), root=None) -> list:
         for d in find_runs(root):
             rel = d.relative_to(root)
             named.append((d, str(rel) if rel.parts else Path(root).resolve().name))
-    named += [(Path(d), Path(d).resolve().name) for d in dirs]
+    named += [(run_dir_of(d), run_dir_of(d).resolve().name) for d in dirs]
     if not named:
         raise LogError("no run directories given (name some, or use --all ROOT)")
     names = [n for _, n in named]
@@ -608,6 +618,8 @@ def main(argv=None) -> int:
         if args.smooth < 1:
             raise LogError("--smooth must be at least 1")
         runs = with_records(runs)
+        if not Path(args.output).suffix:  # what matplotlib would write: name.png
+            args.output += ".png"
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         if args.metrics:
             metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]

@@ -447,6 +447,9 @@ def load_predictor(path):
     """The predictor and the rollout horizon it trained with (None from checkpoints that predate saving it)."""
     try:
         ckpt = rt.load_checkpoint(path)  # weights_only=True, checks the .sha256 sidecar
+        if "predictor_config" not in ckpt and {"optimizer", "counters"} <= set(ckpt):
+            raise BadInput(f"--evaluate {path}: a resumable training state, not a predictor checkpoint; evaluate "
+                           f"a weights file beside it (<prefix>_final.pt, _best.pt or _step_N.pt)")
         predictor = ACPredictor(**ckpt["predictor_config"])
         predictor.load_state_dict(ckpt["predictor"])
         horizon = ckpt.get("rollout_horizon")

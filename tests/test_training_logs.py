@@ -158,6 +158,20 @@ def test_plot_writes_a_png(runs, tmp_path, name):
     assert width >= 400 and height >= 300 and size > 10_000
 
 
+def test_a_plot_without_a_suffix_is_written_where_it_says(runs, tmp_path, capsys):
+    assert tl.main(["plot", str(runs / "lr_1e-2"), "--output", str(tmp_path / "curves")]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'curves.png'}"
+    assert png_size(tmp_path / "curves.png")[2] > 10_000
+
+
+def test_a_metrics_file_stands_for_its_run_and_another_file_is_refused(runs, tmp_path, capsys):
+    assert tl.main(["summary", str(runs / "lr_1e-2" / "metrics.jsonl"), "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["name"] == "lr_1e-2"
+    (tmp_path / "notes.txt").write_text("x")
+    assert tl.main(["summary", str(tmp_path / "notes.txt")]) != 0
+    assert "notes.txt: a file; expected a run directory (the one holding metrics.jsonl)" in capsys.readouterr().err
+
+
 def test_plotted_series_come_from_the_run(runs):
     d = runs / "lr_1e-2"
     run = tl.load_run(d)

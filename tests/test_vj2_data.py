@@ -64,6 +64,9 @@ def test_cli_current_dir_bad_flags_and_leftover_files(tmp_path, monkeypatch, cap
     # a smaller set into the same directory would be read together with the old files
     assert gen.main(["--output_dir", ".", *small[2:], "--num_files", "1"]) == 2
     assert "already holds 1 other .npz files (train_00001.npz)" in capsys.readouterr().err
+    (tmp_path / "a_file").write_text("not a directory")
+    assert gen.main(["--output_dir", str(tmp_path / "a_file"), *small]) == 2
+    assert f"--output_dir {tmp_path / 'a_file'}: is a file; expected a directory" in capsys.readouterr().err
     for argv, message in [(["--trajectories_per_file", "0"], "--trajectories_per_file must be >= 1"),
                           (["--noise", "-1"], "--noise must be >= 0"),
                           (["--num_steps", "1"], "--num_steps must be >= 2"),

@@ -314,6 +314,9 @@ def test_evaluate_scores_the_loss_the_run_trained_with(tmp_path, no_launch_env, 
 
     assert evaluate() == pytest.approx(final["val_loss"], rel=1e-5)  # the checkpoint's horizon, not the default 2
     assert evaluate("--rollout_horizon", "2") != pytest.approx(final["val_loss"], rel=1e-3)  # the flag wins
+    # a resumable state beside it is no predictor checkpoint: the error says which file to take
+    assert vj2.main(["--evaluate", str(tmp_path / "ckpt" / "vjepa2_state_step_4.pt"), *data]) == 2
+    assert "a resumable training state, not a predictor checkpoint; evaluate a weights file" in capsys.readouterr().err
 
 
 @pytest.mark.multi
