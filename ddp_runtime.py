@@ -8,6 +8,7 @@ knows about a particular model.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import gc
 import hashlib
@@ -21,6 +22,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -549,7 +551,34 @@ def build_dataloader(dataset: Dataset, batch_size: int, *, train: bool, rank: in
                       worker_init_fn=_init_worker, timeout=timeout_s)
         # Without workers the process's own streams serve the samples, and the resumable state holds them.
         dataset, sampler = _SeededSamples(dataset, seed, train), _KeyedSampler(sampler)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **kwargs)
+        if not _EXIT_HOOK:
+            _EXIT_HOOK.append(atexit.register(_kill_leftover_workers))
+    return _Loader(dataset, batch_size=batch_size, sampler=sampler, **kwargs)
+
+
+class _Loader(DataLoader):
+    """A DataLoader that notes its worker processes, for _kill_leftover_workers."""
+
+    def _get_iterator(self):
+        it = super()._get_iterator()
+        _WORKERS.update(getattr(it, "_workers", ()))
+        return it
+
+
+_EXIT_HOOK: list = []
+_WORKERS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _kill_leftover_workers() -> None:
+    """At exit, multiprocessing ends the child processes still running with terminate() (a SIGTERM), then
+    waits for them without a timeout. Our loader workers ignore SIGTERM (see _init_worker), so after an
+    uncaught error or a Ctrl-C outside train() (which stops its own) the process would hang there: this runs
+    first (atexit runs the handlers registered last first; multiprocessing registered its own on import) and
+    kills the workers left, which have nothing to save."""
+    for p in list(_WORKERS):
+        if p.is_alive():
+            p.kill()
+            p.join(5.0)
 
 
 def stop_workers(loader: Any) -> None:

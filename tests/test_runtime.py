@@ -696,3 +696,29 @@ def test_pickle_payload_is_refused_without_running(tmp_path, monkeypatch):
     with pytest.raises(rt.CheckpointError, match="cannot be loaded safely"):
         rt.load_checkpoint(tmp_path / "evil.pt")
     assert not (tmp_path / "boom.txt").exists()
+
+
+UNCAUGHT_IN_A_LOADER_LOOP = """
+import torch, ddp_runtime as rt
+class Bad(torch.utils.data.Dataset):
+    def __len__(self):
+        return 1000
+    def __getitem__(self, i):
+        if i == 50:
+            raise ValueError("sample 50 cannot be read")
+        return torch.tensor([i])
+for batch in rt.build_dataloader(Bad(), 4, train=False, rank=0, world_size=1, seed=0, num_workers=1,
+                                 local_world_size=1):
+    pass
+"""
+
+
+@pytest.mark.multi  # a loader worker process
+def test_a_script_that_fails_in_a_loader_loop_exits_at_once(tmp_path):
+    """The workers ignore SIGTERM (a preemption must not kill them), and multiprocessing's exit handler stops
+    leftover workers with SIGTERM and then waits for them without a timeout: the loaders stop them first."""
+    import sys
+    from conftest import REPO, clean_env, run
+    (tmp_path / "fails.py").write_text(UNCAUGHT_IN_A_LOADER_LOOP)
+    r = run([sys.executable, tmp_path / "fails.py"], cwd=REPO, timeout=60, env=clean_env())
+    assert r.returncode == 1 and "ValueError: sample 50 cannot be read" in r.stdout, r.stdout[-2000:]
