@@ -691,14 +691,19 @@ def next_batch(batches) -> Any:
         return BatchError(text, fatal=worker_died or stuck or getattr(exc, "fatal", False))
 
 
-# What gloo's and NCCL's failures say; gloo raises them as plain RuntimeErrors
-COLLECTIVE_ERROR_TEXT = ("gloo", "nccl", "connection closed by peer", "connection reset by peer", "pair closure")
+# What gloo's failures say (its source path, or the peer's end); gloo raises them as plain RuntimeErrors, NCCL's
+# come as DistErrors. Matched only in a plain RuntimeError: a path or message of the run's own (an OSError
+# naming runs/gloo_test/metrics.jsonl) is no peer's failure.
+COLLECTIVE_ERROR_TEXT = ("third_party/gloo/", "connection closed by peer", "connection reset by peer",
+                         "pair closure")
 
 
 def is_collective_error(exc: BaseException) -> bool:
     """A communication failure (a peer died or timed out) surfacing in a forward's or backward's collective."""
+    if isinstance(exc, (dist.DistError, rt.CollectiveFailed)):
+        return True
     text = str(exc).lower()
-    return isinstance(exc, (dist.DistError, rt.CollectiveFailed)) or any(t in text for t in COLLECTIVE_ERROR_TEXT)
+    return type(exc) is RuntimeError and any(t in text for t in COLLECTIVE_ERROR_TEXT)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

@@ -352,6 +352,19 @@ def test_a_nan_validation_loss_is_null_in_strict_json_and_no_improvement(tmp_pat
     assert "the validation loss at step 2 is nan" in (tmp_path / "logs" / "rank_0.log").read_text()
 
 
+def test_a_peers_failure_is_told_from_this_ranks_own_by_gloos_words_not_by_a_path():
+    from ddp_training import is_collective_error
+    peer = ["[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+            "[127.0.0.1]:57505", "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+            "60000ms for recv operation to complete"]
+    assert all(is_collective_error(RuntimeError(text)) for text in peer)
+    assert is_collective_error(torch.distributed.DistBackendError("NCCL error: unhandled system error"))
+    own = [OSError(28, "No space left on device", "runs/gloo_nccl/metrics.jsonl"),
+           rt.CheckpointError("writing runs/nccl_bench/model_state_step_6.pt failed: OSError: Connection reset by peer"),
+           RuntimeError("a background checkpoint write failed on rank 0: writing gloo_runs/x.pt failed")]
+    assert not any(is_collective_error(exc) for exc in own)
+
+
 # -- configuration and CLI errors ---------------------------------------------------
 
 def test_unknown_config_key_names_the_key(tmp_path):
