@@ -320,6 +320,14 @@ def gather_objects(obj: Any) -> list:
     return out
 
 
+class Rank0Failed(RuntimeError):
+    """What the other ranks raise when `run_on_rank0`'s function failed on rank 0; `kind` is its error's type."""
+
+    def __init__(self, text: str, kind: str):
+        super().__init__(text)
+        self.kind = kind
+
+
 def run_on_rank0(fn, *args, what: str = "operation", **kwargs):
     """Run `fn` on rank 0 and make its failure an error on every rank, not a hang."""
     error = None
@@ -329,11 +337,11 @@ def run_on_rank0(fn, *args, what: str = "operation", **kwargs):
             result = fn(*args, **kwargs)
         except Exception as exc:  # re-raised below, on rank 0 as itself
             error = exc
-    status = broadcast_object(None if error is None else f"{type(error).__name__}: {error}")
+    status = broadcast_object(None if error is None else (type(error).__name__, str(error)))
     if error is not None:
         raise error
     if status is not None:
-        raise RuntimeError(f"{what} failed on rank 0: {status}")
+        raise Rank0Failed(f"{what} failed on rank 0: {status[0]}: {status[1]}", status[0])
     return result
 
 
@@ -1114,7 +1122,8 @@ class CheckpointWriter:
     queue is empty the writer holds no host memory (with `pin`, the copies of CUDA tensors are
     page-locked where PIN_MAX_HOST_FRACTION allows, and PyTorch keeps those blocks cached for the next
     save point; if pinning fails, the writer copies to pageable memory from then on). A write that failed
-    fails every rank at the next save point or `flush()`, as a synchronous write fails at once. Files
+    fails every rank at the next `flush()`, as a synchronous write fails at once; the next save point
+    instead logs it, queues its own files and sets `retry_pending`, for the caller to flush them. Files
     appear only complete (temp file, fsync, rename), so a crash mid-write leaves the previous ones.
     """
 
@@ -1134,6 +1143,7 @@ class CheckpointWriter:
         self._lock = threading.Lock()
         self._memo: dict = {}
         self._pending = 0
+        self.retry_pending = False  # a write failed; the save point after it writes again (see save)
 
     def save(self, payload: Any, path: str | os.PathLike, group: Any = None, then=None) -> Path:
         """Write `payload` to `path` (on rank 0), then call `then()` there (e.g. prune old files)."""
@@ -1142,7 +1152,15 @@ class CheckpointWriter:
             run_on_rank0(self._write_now, payload, path, then, what=f"writing {path}")
             return path
         if group is None or group != self._group:
-            self.flush()
+            try:
+                self.flush()
+            except (CheckpointError, Rank0Failed) as exc:
+                if isinstance(exc, Rank0Failed) and exc.kind != CheckpointError.__name__:
+                    raise
+                # an earlier save point's write failed: this one's files replace it, and the caller waits for
+                # them (DDPTrainer: before the next step), so that a passing failure loses no work
+                self.log.error("%s; the files of this save point replace it", exc)
+                self.retry_pending = True
             self._group = group
         if self.is_writer:
             self._queue(payload, path, then)

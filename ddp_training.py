@@ -1659,8 +1659,6 @@ class DDPTrainer:
                 self.samples_seen += global_batch
                 window_steps += 1
                 self._after_step(r, time.time() - step_t, global_batch)
-                if r["write_failed"]:
-                    self._save_again_after_a_failed_write()
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(epoch=self.epoch, loss=f"{r['loss']:.4f}",
@@ -1677,6 +1675,8 @@ class DDPTrainer:
                 if cfg.save_every_iters and self.global_step % cfg.save_every_iters == 0:
                     self.save_checkpoint(f"step_{self.global_step}")
                     self.save_state()
+                if r["write_failed"] or self.writer.retry_pending:
+                    self._save_again_after_a_failed_write()
                 if early:
                     return "early_stopped"
                 if r["stop"]:
@@ -1715,17 +1715,14 @@ class DDPTrainer:
         return tqdm(total=self.total_steps, initial=self.global_step, unit="step", file=sys.stdout)
 
     def _save_again_after_a_failed_write(self) -> None:
-        """A background write failed (rank 0 said so in this step's all-reduce). Save this step's state at once
-        and wait for it: a passing failure (a disk that was full for a moment) then costs no work, where waiting
-        for the next save point would leave two intervals unsaved. If this write fails too, the run stops."""
-        try:
-            self.writer.flush()  # the failed write's error, on every rank
-        except Exception as exc:
-            if is_collective_error(exc):
-                raise
-            self.log.error("%s; saving the resumable state of step %d now", exc, self.global_step)
-        self.save_state()
+        """A background write failed: rank 0 said so in this step's all-reduce, or a save point of this step met
+        the error. This step's state is written (unless a save point of this step wrote it already) and waited
+        for: a passing failure (a disk that was full for a moment) costs no work, where waiting for the next save
+        point would leave two intervals unsaved. If this write fails too, the run stops."""
+        if self.state_step != self.global_step:
+            self.save_state()  # its flush meets the failed write, if no save point of this step did
         self.writer.flush()
+        self.writer.retry_pending = False
 
     def _save_weights_here(self) -> None:
         """Rank 0 writes the weights without the others (they may be gone): a step that failed in a

@@ -367,9 +367,9 @@ def test_collective_decisions_agree_on_every_rank(tmp_path):
         assert r["any_true"] and not r["any_false"] and not r["all_mixed"] and r["all_true"]
         assert r["bcast"] == {"from": 0} and r["gathered"] == [0, 10] and r["summed"] == [1.0, 2.0]
     assert r0["error"] == "OSError: disk full"
-    assert r1["error"] == "RuntimeError: writing x failed on rank 0: OSError: disk full"
+    assert r1["error"] == "Rank0Failed: writing x failed on rank 0: OSError: disk full"
     assert r0["background_error"].startswith(f"CheckpointError: writing {tmp_path / 'a_file' / 'x.pt'} failed: ")
-    assert r1["background_error"].startswith("RuntimeError: a background checkpoint write failed on rank 0: "
+    assert r1["background_error"].startswith("Rank0Failed: a background checkpoint write failed on rank 0: "
                                              "CheckpointError: writing ")
     assert torch.equal(rt.load_checkpoint(tmp_path / "ok.pt")["w"], torch.ones(2))
 
