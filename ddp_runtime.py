@@ -159,9 +159,10 @@ def cuda_index(local_rank: int) -> int:
         return local_rank
     if count == 1 and os.environ.get("CUDA_VISIBLE_DEVICES"):
         return 0
-    raise ValueError(f"local rank {local_rank} (LOCAL_RANK or SLURM_LOCALID) has no GPU: this process sees "
-                     f"{count} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start at "
-                     f"most one process per visible GPU on each node")
+    # not a ValueError: those are printed by rank 0 only, and this one never happens on rank 0
+    raise RuntimeError(f"local rank {local_rank} (LOCAL_RANK or SLURM_LOCALID) has no GPU: this process sees "
+                       f"{count} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start "
+                       f"at most one process per visible GPU on each node")
 
 
 def setup_distributed(rank: int, world_size: int, local_rank: Optional[int] = None,

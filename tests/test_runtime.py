@@ -100,7 +100,7 @@ def test_each_local_rank_gets_a_visible_gpu_or_a_clear_error(monkeypatch, local_
     if bound is not None:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", bound)
     if expected is None:
-        with pytest.raises(ValueError, match=f"local rank {local_rank} .*has no GPU: this process sees {visible}"):
+        with pytest.raises(RuntimeError, match=f"local rank {local_rank} .*has no GPU: this process sees {visible}"):
             rt.cuda_index(local_rank)
     else:
         assert rt.cuda_index(local_rank) == expected
