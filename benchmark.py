@@ -458,7 +458,7 @@ def scaling_run(args, nproc, run_dir, dataset_size):
             "step_ms_sd": step_spread_ms(times, args.warmup), "exit_code": rc}
 
 
-def bare_ddp_worker(rank, world_size, spec):
+def bare_ddp_worker(rank, world_size, spec, _requested=None):
     """One rank of the bare loop under DDP (gloo), sharded like the trainer; every rank writes its step times.
     With spec["independent"] the ranks share nothing: no process group, no DDP, each trains on its own shard
     (what N processes reach on this machine when communication costs nothing)."""

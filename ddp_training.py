@@ -1974,12 +1974,16 @@ SETUP_ERRORS = (ValueError, FileNotFoundError, rt.CheckpointError)
 EXIT_BAD_INPUT = 2
 
 
-def _train_and_exit_code(rank: int, world_size: int, cfg: dict, local_rank: Optional[int] = None) -> int:
+def _train_and_exit_code(rank: int, world_size: int, cfg: dict, local_rank: Optional[int] = None,
+                         requested=None) -> int:
     """Train; the exit status: 0, EXIT_PREEMPTED, or EXIT_BAD_INPUT for a set-up error (bad input: a data
-    file, a refused state), which rank 0 prints as one line."""
+    file, a refused state), which rank 0 prints as one line. `requested`: spawn_local's note of a stop signal
+    it passed on, which this process may not have seen (see spawn_local)."""
     # Caught from before set-up (seconds to minutes: rendezvous, data, a resume): a preempting signal then
     # stops the run at its first step with a save and the PREEMPTED marker, instead of killing a rank there
     with rt.StopSignal(rt.StopSignal.PREEMPT_SIGNALS) as stop_signal:
+        if requested is not None and requested.value and stop_signal.received is None:
+            stop_signal.received = requested.value
         try:
             with rt.SetUpWatch():  # a second such signal during set-up ends the process at once
                 trainer = DDPTrainer(rank=rank, world_size=world_size, local_rank=local_rank, config=cfg)
@@ -1991,43 +1995,64 @@ def _train_and_exit_code(rank: int, world_size: int, cfg: dict, local_rank: Opti
     return rt.EXIT_PREEMPTED if summary["status"] == "interrupted" else 0
 
 
-def _spawned_worker(rank: int, world_size: int, cfg: dict) -> None:
-    rt.exit_process(_train_and_exit_code(rank, world_size, cfg))
+def _spawned_worker(rank: int, world_size: int, cfg: dict, requested=None) -> None:
+    rt.exit_process(_train_and_exit_code(rank, world_size, cfg, requested=requested))
 
 
 SAVE_GRACE_S = 300  # as launch_training.sh gives torchrun's workers
 
 
+def _a_rank_died_of_the_stop(procs: list, forwarded: list) -> bool:
+    """Wait until a rank exits; whether it died of a forwarded stop signal (not Ctrl-C's SIGINT, which a rank
+    without a handler turns into a KeyboardInterrupt: exit 1, a failure). Then torch's join takes over."""
+    from multiprocessing.connection import wait
+    while alive := [p.sentinel for p in procs if p.is_alive()]:  # never wait([]): that waits forever
+        wait(alive)
+        if any(p.exitcode not in (None, 0) for p in procs):
+            break
+    return bool(forwarded) and any(p.exitcode == -forwarded[0] != -signal.SIGINT for p in procs)
+
+
 def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker) -> int:
-    """Run `worker(rank, nproc, cfg)` on `nproc` local processes (torch.multiprocessing, a free port), for
-    users without torchrun. Returns the exit status: 0, EXIT_PREEMPTED or 1."""
+    """Run `worker(rank, nproc, cfg, requested)` on `nproc` local processes (torch.multiprocessing, a free
+    port), for users without torchrun. Returns the exit status: 0, EXIT_PREEMPTED or 1.
+
+    A signal passed on to a rank between its fork and its exec is taken by the handler it inherited from
+    this process and lost; `requested` (shared memory) holds the first stop, and each rank reads it once it
+    has its own handler."""
     import torch.multiprocessing as mp
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(free_port())
     context, forwarded = None, []
+    requested = mp.get_context("spawn").RawValue("i", 0)  # no lock: a signal handler writes it
 
     def forward(signum, frame):  # the ranks agree on it, save and exit 75; this process waits for them
         forwarded.append(signum)
+        requested.value = requested.value or signum
         for p in context.processes if context is not None else ():
             if p.is_alive():
                 os.kill(p.pid, signum)
     # before the start: a signal in between would kill this process and leave the ranks unattended
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     try:
-        context = mp.start_processes(worker, args=(nproc, cfg), nprocs=nproc, join=False, start_method="spawn")
+        context = mp.start_processes(worker, args=(nproc, cfg, requested), nprocs=nproc, join=False,
+                                     start_method="spawn")
         if forwarded:
             forward(forwarded[0], None)
+        if _a_rank_died_of_the_stop(context.processes, forwarded):
+            # still importing torch, it had no handler yet: nothing was trained, and its peers wait in a
+            # rendezvous that cannot complete, so they go too; a preemption like any other (relaunch to resume)
+            for p in context.processes:
+                p.kill()
+                p.join()
+            print(f"stopped by {signal.Signals(forwarded[0]).name} while the ranks were starting: nothing to save",
+                  file=sys.stderr)
+            return rt.EXIT_PREEMPTED
         # after a forwarded signal, a rank that exits first (75 after its part of a save) leaves the others
         # time to finish theirs; a crash ends the rest at once
         while not context.join(grace_period=SAVE_GRACE_S if forwarded else None):
             pass
     except mp.ProcessExitedException as exc:
-        if forwarded and exc.exit_code == -forwarded[0] != -signal.SIGINT:
-            # a rank still importing torch has no handler yet, and dies of the stop: nothing was trained, so
-            # this is a preemption like any other (relaunch to resume from the newest state)
-            print(f"stopped by {signal.Signals(forwarded[0]).name} while the ranks were starting: nothing to save",
-                  file=sys.stderr)
-            return rt.EXIT_PREEMPTED
         return exc.exit_code if exc.exit_code in (rt.EXIT_PREEMPTED, EXIT_BAD_INPUT) else 1
     finally:
         for sig, handler in previous.items():
