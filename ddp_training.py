@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -515,6 +516,13 @@ def file_lm_data(cfg: TrainConfig) -> LMData:
                   dict(source=f"{path} ({n} tokens)", unigram_entropy=round(ent, 5)))
 
 
+def data_fingerprint(train: TokenSequences) -> str:
+    """A short digest of the first and last training windows and their count."""
+    width = train.seq_len + 1
+    first, last = (np.asarray(train.tokens[s:s + width]) for s in (train.starts[0], train.starts[-1]))
+    return hashlib.sha256(first.tobytes() + last.tobytes() + str(len(train.starts)).encode()).hexdigest()[:16]
+
+
 def build_lm_data(cfg: TrainConfig) -> LMData:
     return file_lm_data(cfg) if cfg.data else synthetic_lm_data(cfg)
 
@@ -818,6 +826,7 @@ class DDPTrainer:
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
 
         self.data_info: dict = {}
+        self.data_fingerprint = None  # of the built-in data only: a user's dataset may be costly or random to read
         if model is None:
             data = build_lm_data(cfg)
             if data.vocab_size > cfg.vocab_size:
@@ -827,6 +836,7 @@ class DDPTrainer:
             model = CausalLM(vocab, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.seq_len, cfg.dropout)
             train_dataset, val_dataset, test_dataset = data.train, data.val, data.test
             self.data_info = data.info
+            self.data_fingerprint = data_fingerprint(data.train)
             checkpoint_extra = {"model_config": model.config, **(checkpoint_extra or {})}
             describe = describe or f"CausalLM {model.config}"
         if train_dataset is None:
@@ -1265,7 +1275,21 @@ class DDPTrainer:
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict() if self.scaler else None,
                 "counters": {k: getattr(self, k) for k in self.STATE_COUNTERS},
-                "rng": per_rank_rng, "run": self._run_signature(), "seeded_samples": self._seeded_samples()}
+                "rng": per_rank_rng, "run": self._run_signature(), "seeded_samples": self._seeded_samples(),
+                "data_fingerprint": self.data_fingerprint}
+
+    def _check_data_fingerprint(self, saved, path: Path) -> None:
+        """The built-in training data of a state must be this run's: another file, or synthetic data drawn
+        otherwise (the streams changed on 25 Nov 2026), would go on unnoticed."""
+        if self.data_fingerprint is None or saved is None:
+            return
+        if saved == "absent":
+            self.log.warning("%s predates the training data's fingerprint: that it holds the same data as this run "
+                             "cannot be checked (synthetic data is drawn otherwise since 25 Nov 2026)", path)
+        elif saved != self.data_fingerprint:
+            raise StateMismatch(f"{path} was written while training on other data (fingerprint {saved}, this run's "
+                                f"{self.data_fingerprint}); resuming it is refused (resume none or another "
+                                f"run_name starts fresh; or use the original data settings)")
 
     def _seeded_samples(self) -> bool:
         """Whether loader workers read the samples, each under a seed of its own (see rt.build_dataloader)."""
@@ -1353,6 +1377,7 @@ class DDPTrainer:
                 raise StateMismatch(f"{path} was written with {key}={state['run'][key]}, this run has "
                                     f"{key}={value}; resuming with a different {key} is refused (resume none "
                                     f"or another run_name starts fresh; or use the original setting)")
+        self._check_data_fingerprint(state.get("data_fingerprint", "absent"), path)
         saved = state.get("seeded_samples")  # absent from states written before 25 Nov 2026
         if saved is not None and saved != self._seeded_samples() and self.env.is_main:
             self.log.warning("%s was written with %s loader workers, this run has %s: a dataset that draws random "

@@ -108,6 +108,21 @@ def test_resuming_with_workers_after_none_or_none_after_some_says_the_draws_diff
             "random numbers") in (tmp_path / "logs" / "rank_0.log").read_text()
 
 
+def test_a_state_of_other_built_in_data_is_refused_and_one_without_a_fingerprint_warns(tmp_path, no_launch_env):
+    cfg = cfg_for(tmp_path, max_steps=5)
+    DDPTrainer(config=cfg).train()
+    with pytest.raises(ValueError, match="model_state_step_5.pt was written while training on other data"):
+        DDPTrainer(config={**cfg, "max_steps": 8, "markov_branching": 3}).train()  # another synthetic chain
+    # a state from before fingerprints: resumed, with a warning
+    path = tmp_path / "ckpt" / "model_state_step_5.pt"
+    state = rt.load_checkpoint(path)
+    del state["data_fingerprint"]
+    rt.atomic_save(state, path)
+    assert DDPTrainer(config={**cfg, "max_steps": 8}).train()["resumed_from"].endswith("model_state_step_5.pt")
+    assert "model_state_step_5.pt predates the training data's fingerprint" in (
+        tmp_path / "logs" / "rank_0.log").read_text()
+
+
 def test_resume_none_starts_fresh_and_sets_the_old_states_aside(tmp_path, no_launch_env):
     DDPTrainer(config=cfg_for(tmp_path)).train()  # leaves states 15 and 20
     s = DDPTrainer(config=cfg_for(tmp_path, resume="none", max_steps=14)).train()
