@@ -285,6 +285,8 @@ def build_parser():
     p.add_argument("--num_epochs", type=int, default=1, help=d)
     p.add_argument("--batch_size", "--batch-size", type=int, default=4, help="trajectories per rank and step" + d)
     p.add_argument("--num_workers", type=int, default=0, help="DataLoader workers per rank" + d)
+    p.add_argument("--loader_timeout", type=float, default=120.0,
+                   help="seconds a rank waits for a batch from its workers before the run fails (a stuck worker)" + d)
     p.add_argument("--save_every_iters", type=int, default=500, help="vjepa2_step_N.pt every N steps; 0 = off" + d)
     p.add_argument("--save_every_epochs", type=int, default=0, help="vjepa2_epoch_N.pt every N epochs; 0 = off" + d)
     p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda if available")
@@ -361,7 +363,7 @@ def parse_args(argv=None):
                  "save_every_epochs", "weight_decay"):
         if getattr(args, flag) < 0:
             parser.error(f"--{flag} must be >= 0, got {getattr(args, flag)}")
-    for flag in ("lr", "dist_timeout"):
+    for flag in ("lr", "dist_timeout", "loader_timeout"):
         if not getattr(args, flag) > 0:
             parser.error(f"--{flag} must be > 0, got {getattr(args, flag)}")
     if args.dist_timeout > MAX_TIMEOUT_S:
@@ -385,7 +387,7 @@ def train_config(args):
                 val_interval=args.val_every_iters, seed=args.seed, resume=args.resume,
                 dist_timeout=args.dist_timeout, debug=args.debug, grad_accum_steps=args.grad_accum_steps,
                 weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, checkpoint_prefix="vjepa2",
-                use_amp=not args.no_amp)
+                use_amp=not args.no_amp, loader_timeout=args.loader_timeout)
 
 # -----------------------------------------------------------------------------------------------------------------
 # training and evaluation
@@ -473,7 +475,8 @@ def evaluate(args, launch):
                                args.device, args.dist_timeout)
     try:
         loader = rt.build_dataloader(val_set, args.batch_size, train=False, rank=env.rank,
-                                     world_size=env.world_size, seed=args.seed, num_workers=args.num_workers)
+                                     world_size=env.world_size, seed=args.seed, num_workers=args.num_workers,
+                                     timeout_s=args.loader_timeout)
         loss_fn = partial(vj2_loss, rollout_horizon=args.rollout_horizon)
         result = evaluate_model(predictor.to(env.device), loader, loss_fn, env.device)
     finally:

@@ -161,6 +161,7 @@ def test_cli_presets_test_mode_and_trainer_config(no_launch_env):
     assert cfg["checkpoint_dir"] == "checkpoints/vj2ac_test" and cfg["log_dir"] == cfg["checkpoint_dir"]
     assert vj2.train_config(vj2.parse_args(data))["checkpoint_dir"] == "checkpoints/vj2ac"
     assert vj2.train_config(vj2.parse_args(data + ["--run-name", "b"]))["checkpoint_dir"] == "checkpoints/b"
+    assert vj2.train_config(vj2.parse_args(data + ["--loader_timeout", "7"]))["loader_timeout"] == 7.0
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -173,6 +174,8 @@ def test_cli_presets_test_mode_and_trainer_config(no_launch_env):
      "divisible"),
     (["--processed_data_dir", "t", "--validation_data_dir", "v", "--max_steps", "-3"], "--max_steps must be >= 0"),
     (["--processed_data_dir", "t", "--validation_data_dir", "v", "--lr", "-1"], "--lr must be > 0"),
+    (["--processed_data_dir", "t", "--validation_data_dir", "v", "--loader_timeout", "0"],
+     "--loader_timeout must be > 0"),
     (["--processed_data_dir", "t", "--validation_data_dir", "v", "--save_every_iters", "-1"],
      "--save_every_iters must be >= 0"),
     # c10d counts the timeout in int64 nanoseconds: 1e10 s already fails inside the process group
