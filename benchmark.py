@@ -1181,8 +1181,8 @@ def build_parser():
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:  # an unknown key or a bad value, refused before any run
-        TrainConfig.from_dict(parse_settings(getattr(args, "trainer_set", [])))
+    try:  # an unknown key or a bad value, refused before any run (the runs always set max_steps)
+        TrainConfig.from_dict({"max_steps": 1, **parse_settings(getattr(args, "trainer_set", []))})
     except ValueError as exc:
         parser.error(f"--trainer_set: {exc}")
     args.fn(args)
