@@ -1102,7 +1102,7 @@ def build_parser():
                        help="DDPTrainer (1 process, all checks on) vs a bare PyTorch loop, interleaved")
     add_model_flags(o)
     o.add_argument("--steps", type=at_least(1), default=200, help="timed steps per run")
-    o.add_argument("--warmup", type=at_least(0), default=5, help="untimed steps at the start of each run")
+    o.add_argument("--warmup", type=at_least(1), default=5, help="untimed steps at the start of each run")
     o.add_argument("--repeats", type=at_least(1), default=5, help="interleaved pairs (bare, trainer)")
     o.add_argument("--threads", type=at_least(1), default=rt.cpu_count(), help="intra-op threads, both loops")
     o.add_argument("--seed", type=int, default=DEFAULTS.seed)
@@ -1124,7 +1124,7 @@ def build_parser():
     s.add_argument("--nproc", type=at_least(2), default=2)
     s.add_argument("--threads", type=at_least(1), default=1, help="intra-op threads per process")
     s.add_argument("--steps", type=at_least(1), default=60, help="timed steps per run")
-    s.add_argument("--warmup", type=at_least(0), default=10, help="untimed steps at the start of each run")
+    s.add_argument("--warmup", type=at_least(1), default=10, help="untimed steps at the start of each run")
     s.add_argument("--repeats", type=at_least(1), default=3, help="interleaved repeats (1, N, 1, N, ...)")
     s.add_argument("--seed", type=int, default=DEFAULTS.seed)
     s.add_argument("--trainer_set", action="append", default=[], metavar="KEY=VALUE",

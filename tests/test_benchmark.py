@@ -171,6 +171,7 @@ def test_table_output(tmp_path, capsys, no_launch_env):
     (["overhead", "--repeats", "0"], "argument --repeats: expected an integer >= 1, got 0"),
     (["overhead", "--steps", "many"], "argument --steps: expected an integer >= 1, got 'many'"),
     (["overhead", "--threads", "0"], "argument --threads: expected an integer >= 1, got 0"),
+    (["scaling", "--warmup", "0"], "argument --warmup: expected an integer >= 1, got 0"),  # timed from its end
     (["overhead", "--trainer_set", "bogus=1"], "--trainer_set: unknown config key 'bogus'"),
     (["overhead", "--trainer_set", "patience"], "--trainer_set: expected KEY=VALUE, got 'patience'"),
     (["checkpoint", "--loop_save_every", "2"], "argument --loop_save_every: expected an integer >= 3, got 2"),
