@@ -2028,8 +2028,9 @@ SAVE_GRACE_S = 300  # as launch_training.sh gives torchrun's workers
 
 
 def _a_rank_died_of_the_stop(procs: list, forwarded: list) -> bool:
-    """Wait until a rank exits; whether it died of a forwarded stop signal (not Ctrl-C's SIGINT, which a rank
-    without a handler turns into a KeyboardInterrupt: exit 1, a failure). Then torch's join takes over."""
+    """Wait until a rank exits with an error, or all exit; whether one died of a forwarded stop signal (not
+    Ctrl-C's SIGINT, which a rank without a handler turns into a KeyboardInterrupt: exit 1, a failure). Then
+    torch's join takes over."""
     from multiprocessing.connection import wait
     while alive := [p.sentinel for p in procs if p.is_alive()]:  # never wait([]): that waits forever
         wait(alive)
