@@ -786,7 +786,9 @@ def test_bad_data_file_is_a_clear_error(tmp_path, no_launch_env):
            "folder": "is a directory; expected a .npy token file or a text file"}
     np.savez(tmp_path / "ids.npz", tokens=np.arange(100))
     (tmp_path / "text.npy").write_text("hello world " * 100)
-    np.save(tmp_path / "objects.npy", np.array([1, "a"], dtype=object), allow_pickle=True)
+    with open(tmp_path / "objects.npy", "wb") as f:  # a header declaring Python objects; no pickle written
+        np.lib.format.write_array_header_1_0(f, {"descr": "|O", "fortran_order": False, "shape": (2,)})
+        f.write(b"\0" * 16)
     np.save(tmp_path / "huge.npy", np.array([1, 10 ** 9, 3] * 100))
     (tmp_path / "folder").mkdir()
     for name, message in bad.items():
