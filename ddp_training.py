@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_runtime as rt
+from training_logs import json_safe
 
 
 # ----------------------------------------------------------------------------
@@ -667,22 +668,9 @@ class StepTally:
                           torch.stack(extras) if extras else flags[:0]])
 
 
-def _json_number(x: float) -> Optional[float]:
-    """null for a non-finite value: json.dumps would write NaN, which strict JSON readers refuse."""
-    return x if math.isfinite(x) else None
-
-
 def json_line(record: dict) -> str:
-    """Strict JSON: a non-finite number (a NaN validation loss) is written as null, never as NaN."""
-    def clean(v):
-        if isinstance(v, float) and not math.isfinite(v):
-            return None
-        if isinstance(v, dict):
-            return {k: clean(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return [clean(x) for x in v]
-        return v
-    return json.dumps(clean(record), allow_nan=False)
+    """Strict JSON: a non-finite number (a NaN loss, a skipped step's grad norm) is written as null, never NaN."""
+    return json.dumps(json_safe(record), allow_nan=False)
 
 
 def next_batch(batches) -> Any:
@@ -1781,10 +1769,10 @@ class DDPTrainer:
         self.skipped_steps += r["skipped"]
         self.consecutive_bad_steps = self.consecutive_bad_steps + 1 if r["nonfinite"] else 0
         mfu = None if self.mfu_per_unit is None else self.mfu_per_unit * r["count"] / step_time
-        record = {"type": "train", "step": self.global_step, "epoch": self.epoch, "loss": _json_number(r["loss"]),
+        record = {"type": "train", "step": self.global_step, "epoch": self.epoch, "loss": r["loss"],
                   **({"mfu": mfu} if mfu is not None else {}),
-                  **{k: _json_number(v) for k, v in r["extras"].items()}, "lr": r["lr"],
-                  "grad_norm": _json_number(r["grad_norm"]),
+                  **r["extras"], "lr": r["lr"],
+                  "grad_norm": r["grad_norm"],
                   "samples_per_s": global_batch / step_time, f"{self.count_unit}_per_s": r["count"] / step_time,
                   "skipped": r["skipped"], "time": time.time() - self.t0}
         mem = self.memory.on_step(self.global_step)

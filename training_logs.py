@@ -347,20 +347,20 @@ def _fmt(key: str, v) -> str:
     return str(v)
 
 
-def _json_safe(v):
+def json_safe(v):
     """NaN and infinities as null: strict JSON has no spelling for them (a diverged run's val loss is NaN)."""
     if isinstance(v, float) and not math.isfinite(v):
         return None
     if isinstance(v, dict):
-        return {k: _json_safe(x) for k, x in v.items()}
+        return {k: json_safe(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return [_json_safe(x) for x in v]
+        return [json_safe(x) for x in v]
     return v
 
 
 def format_summaries(rows: list, fmt: str = "one-line") -> str:
     if fmt == "json":
-        return json.dumps(_json_safe(rows), indent=2, allow_nan=False)
+        return json.dumps(json_safe(rows), indent=2, allow_nan=False)
     if fmt == "one-line":
         lines = []
         for r in rows:
