@@ -18,6 +18,7 @@ import os
 import queue
 import random
 import re
+import select
 import signal
 import sys
 import threading
@@ -233,6 +234,19 @@ def write_failure_marker(log_dir, rank: int, step: int, exc: BaseException) -> N
     Path(log_dir).mkdir(parents=True, exist_ok=True)
     record = {"rank": rank, "step": step, "error": f"{type(exc).__name__}: {exc}"}
     (Path(log_dir) / f"FAILED_rank_{rank}").write_text(json.dumps(record) + "\n")
+
+
+PREEMPTED_MARKER = "PREEMPTED"
+
+
+def write_preempted_marker(log_dir, record: dict) -> Path:
+    """`PREEMPTED` (JSON) in the run dir: the run stopped on a signal with its state on disk, so relaunching
+    the same command resumes it. Launchers and requeue scripts look for it (exit code 75 alone cannot cross
+    torchrun). Written through a temp file: every rank that gives up in set-up may write it at once."""
+    path = Path(log_dir) / PREEMPTED_MARKER
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, lambda f: f.write((json.dumps(record) + "\n").encode()))
+    return path
 
 
 def read_failure_markers(log_dir, exclude: int, wait_s: float, world_size: Optional[int] = None) -> list:
@@ -851,16 +865,30 @@ class StopSignal:
         return None if self.received is None else signal.Signals(self.received).name
 
 
-class SetUpWatch:
-    """While set-up runs under a StopSignal: a second preempting signal ends the process at once (exit 128 +
-    signal). Python runs a handler only between bytecodes, so a rank blocked in C++ (a rendezvous waiting for
-    a peer that never comes) would see the first signal's flag only after dist_timeout, and nothing would stop
-    it short of SIGKILL. Python's C-level handler writes each signal to the wakeup fd at once; a thread
-    watches it."""
+# How long set-up may go on after a preempting signal before a rank gives up on it: long enough for peers
+# that started a little later to join and stop together at the first step, short of the 30 s that SLURM
+# (KillWait) and torchrun give by default before SIGKILL.
+SETUP_STOP_GRACE_S = 20.0
 
-    def __init__(self, names: tuple = StopSignal.PREEMPT_SIGNALS):
+
+class SetUpWatch:
+    """While set-up runs under a StopSignal. Set-up goes on after a first preempting signal, so that the
+    ranks meet at their first step and stop there together. Python runs a handler only between bytecodes,
+    so a rank blocked in C++ (a rendezvous waiting for a peer that died before it joined) would see the
+    flag only after dist_timeout; Python's C-level handler also writes each signal to the wakeup fd, and a
+    thread watches it:
+    - a second such signal ends the process at once (exit 128 + signal);
+    - `grace_s` after the first, a set-up still running ends the process with EXIT_PREEMPTED, after writing
+      the PREEMPTED marker into `log_dir` (when given). Nothing has been trained in this process yet, so
+      nothing is lost: relaunching resumes from the last state on disk."""
+
+    def __init__(self, names: tuple = StopSignal.PREEMPT_SIGNALS, grace_s: float = SETUP_STOP_GRACE_S,
+                 log_dir: Optional[str | os.PathLike] = None):
         self.signums = {getattr(signal, n) for n in names if hasattr(signal, n)}
+        self.grace_s = grace_s
+        self.log_dir = log_dir
         self._previous_fd = None
+        self._done = False
 
     def __enter__(self) -> "SetUpWatch":
         self._read, self._write = os.pipe()
@@ -879,20 +907,42 @@ class SetUpWatch:
     REPEAT_AFTER_S = 0.5
 
     def _watch(self) -> None:
-        first = None
-        while data := os.read(self._read, 64):
+        first, first_signum = None, None
+        while True:
+            wait = None if first is None else max(0.0, first + self.grace_s - time.monotonic())
+            if not select.select([self._read], [], [], wait)[0]:
+                return self._give_up(first_signum)
+            data = os.read(self._read, 64)
+            if not data:
+                return
             for signum in data:
                 if signum not in self.signums:
                     continue
                 if first is None:
-                    first = time.monotonic()
+                    first, first_signum = time.monotonic(), signum
                 elif time.monotonic() - first >= self.REPEAT_AFTER_S:
                     os.write(2, f"second {signal.Signals(signum).name} during set-up: exiting at once\n".encode())
                     os._exit(128 + signum)
 
+    def _give_up(self, signum: int) -> None:
+        if self._done:  # set-up finished just now: the trainer stops at its first step
+            return
+        name = signal.Signals(signum).name
+        where = ""
+        if self.log_dir is not None:
+            record = {"step": None, "signal": name, "stopped_during": "set-up"}
+            try:
+                where = f"; marker {write_preempted_marker(self.log_dir, record)}"
+            except OSError as exc:
+                where = f"; could not write the PREEMPTED marker into {self.log_dir}: {exc}"
+        os.write(2, (f"{name} {self.grace_s:g}s ago and set-up has not finished (a peer that never joined?): "
+                     f"nothing was trained here, exiting {EXIT_PREEMPTED}{where}\n").encode())
+        os._exit(EXIT_PREEMPTED)
+
     def __exit__(self, *exc) -> None:
         if self._previous_fd is None:
             return
+        self._done = True
         signal.set_wakeup_fd(self._previous_fd)
         os.close(self._write)  # the watcher reads end-of-file and returns
         self._thread.join()

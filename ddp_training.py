@@ -1597,7 +1597,7 @@ class DDPTrainer:
     def _prepare_run_dir(self) -> None:
         """Rank 0: the run dir, its resolved config and metrics file, before the first step."""
         Path(self.cfg.log_dir).mkdir(parents=True, exist_ok=True)
-        (Path(self.cfg.log_dir) / "PREEMPTED").unlink(missing_ok=True)
+        (Path(self.cfg.log_dir) / rt.PREEMPTED_MARKER).unlink(missing_ok=True)
         (Path(self.cfg.log_dir) / COMPLETED_MARKER).unlink(missing_ok=True)  # until this run finishes
         self._truncate_metrics()
         self._set_aside_old_states()
@@ -1858,9 +1858,8 @@ class DDPTrainer:
         return self.cfg.batch_size * self.cfg.grad_accum_steps * self.env.world_size
 
     def _write_preempted_marker(self) -> None:
-        marker = Path(self.cfg.log_dir) / "PREEMPTED"
-        marker.write_text(json.dumps({"step": self.global_step, "epoch": self.epoch,
-                                      "checkpoint": str(self.checkpoint_path("interrupted"))}) + "\n")
+        rt.write_preempted_marker(self.cfg.log_dir, {"step": self.global_step, "epoch": self.epoch,
+                                                     "checkpoint": str(self.checkpoint_path("interrupted"))})
 
     def _finish(self, status: str) -> dict:
         if status != "interrupted":
@@ -1994,11 +1993,13 @@ def _train_and_exit_code(rank: int, world_size: int, cfg: dict, local_rank: Opti
     it passed on, which this process may not have seen (see spawn_local)."""
     # Caught from before set-up (seconds to minutes: rendezvous, data, a resume): a preempting signal then
     # stops the run at its first step with a save and the PREEMPTED marker, instead of killing a rank there
+    # (or ends a set-up still running rt.SETUP_STOP_GRACE_S later, with the marker: see SetUpWatch)
     with rt.StopSignal(rt.StopSignal.PREEMPT_SIGNALS) as stop_signal:
         if requested is not None and requested.value and stop_signal.received is None:
             stop_signal.received = requested.value
         try:
-            with rt.SetUpWatch():  # a second such signal during set-up ends the process at once
+            log_dir = TrainConfig.from_dict(cfg).log_dir
+            with rt.SetUpWatch(log_dir=log_dir):  # a second stop, or a set-up stuck past the grace, exits
                 trainer = DDPTrainer(rank=rank, world_size=world_size, local_rank=local_rank, config=cfg)
         except SETUP_ERRORS as exc:
             if rank == 0:

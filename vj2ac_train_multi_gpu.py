@@ -395,17 +395,18 @@ def train_config(args):
 
 def train(args, launch):
     # Caught from before set-up (checking every data file can take minutes): a preempting signal then stops
-    # the run at its first step with a save and the PREEMPTED marker, instead of killing a rank there
+    # the run at its first step with a save and the PREEMPTED marker, instead of killing a rank there (or
+    # ends a set-up still running rt.SETUP_STOP_GRACE_S later, with the marker: see SetUpWatch)
     with rt.StopSignal(rt.StopSignal.PREEMPT_SIGNALS) as stop_signal:
-        with rt.SetUpWatch():  # a second such signal during set-up ends the process at once
-            trainer = set_up(args, launch)
+        cfg = train_config(args)
+        with rt.SetUpWatch(log_dir=cfg["log_dir"]):  # a second stop, or a set-up stuck past the grace, exits
+            trainer = set_up(args, launch, cfg)
         summary = trainer.train(stop_signal)
     return rt.EXIT_PREEMPTED if summary["status"] == "interrupted" else 0
 
 
-def set_up(args, launch):
-    """The data (checked on every rank), the predictor and its DDPTrainer."""
-    cfg = train_config(args)
+def set_up(args, launch, cfg):
+    """The data (checked on every rank), the predictor and its DDPTrainer (`cfg`: train_config(args))."""
     # the trainer's logger has the same name: it replaces these handlers, so no line is written twice
     log = rt.setup_logger(cfg["log_dir"], launch["rank"], args.debug)
     backend = rt.pick_backend(args.dist_backend, args.device) if launch["world_size"] > 1 else "none (1 process)"

@@ -3,11 +3,15 @@
 import errno
 import gc
 import io
+import json
 import logging
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -18,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import ddp_runtime as rt
-from conftest import FlakyData, Indices
+from conftest import REPO, FlakyData, Indices
 from dist_helpers import spawn
 
 
@@ -394,6 +398,42 @@ def test_stop_signal_for_set_up_leaves_ctrl_c_alone_until_training():
         assert signal.getsignal(signal.SIGINT) == stop._handler
     assert signal.getsignal(signal.SIGINT) is before and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
+
+
+_SET_UP = """
+import sys, time
+sys.path.insert(0, {repo!r})
+import ddp_runtime as rt
+with rt.StopSignal(rt.StopSignal.PREEMPT_SIGNALS):
+    with rt.SetUpWatch(grace_s=1.5, log_dir={log_dir!r}):
+        print("in set-up", flush=True)
+        time.sleep({set_up_s})
+    print("set-up done", flush=True)
+    time.sleep(3)  # past the grace: a finished set-up is never ended by the watch
+"""
+
+
+@pytest.mark.parametrize("set_up_s", [0.5, 60])
+def test_set_up_still_running_past_the_grace_after_a_stop_exits_75_with_the_marker(tmp_path, set_up_s):
+    """A set-up blocked in C++ (a rendezvous for a peer that died) sees no Python handler: the watch ends it
+    grace_s after the stop, with the PREEMPTED marker. One that finishes in time goes on to train."""
+    code = _SET_UP.format(repo=str(REPO), log_dir=str(tmp_path / "run"), set_up_s=set_up_s)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "in set-up\n"
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    if set_up_s < 1:
+        assert proc.returncode == 0 and "set-up done" in out, err
+        assert not (tmp_path / "run" / "PREEMPTED").exists()
+        return
+    assert proc.returncode == rt.EXIT_PREEMPTED and 1.4 < time.monotonic() - t0 < 15, err
+    assert "SIGTERM 1.5s ago and set-up has not finished" in err and "nothing was trained here" in err
+    marker = json.loads((tmp_path / "run" / "PREEMPTED").read_text())
+    assert marker == {"step": None, "signal": "SIGTERM", "stopped_during": "set-up"}
 
 # -- checkpoint I/O -----------------------------------------------------------------
 
