@@ -19,6 +19,7 @@ import io
 import json
 import os
 import shutil
+import math
 import statistics
 import subprocess
 import sys
@@ -147,7 +148,7 @@ def finish(out, args, table):
         env["other_cpu_cores"] = max(0.0, busy - (own_cpu_s() - _START["own"])) / wall
         env["steal_cpu_cores"] = steal / wall
     if args.json:
-        print(json.dumps(out, allow_nan=False))
+        print(json.dumps(training_logs.json_safe(out), allow_nan=False))
     else:
         print(table)
         other = "" if env["other_cpu_cores"] is None else \
@@ -163,9 +164,6 @@ def markdown(headers, rows):
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
 
-
-def median(xs):
-    return statistics.median(xs)
 
 
 def steady_rate(times, warmup):
@@ -305,7 +303,7 @@ def bare_run(cfg, data, warmup, read_loss=False):
     return bare_loop(model, raw, loader, cfg.max_steps, cfg, device, timed_from=warmup, read_loss=read_loss)
 
 
-def trainer_run(args, cfg, run_dir):
+def trainer_run(cfg, run_dir):
     """DDPTrainer, one process, every check at its default; end-of-step times from its metrics.jsonl."""
     cfg = dict(cfg, log_dir=str(run_dir / "logs"), checkpoint_dir=str(run_dir / "ckpt"))
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):  # its console log; rank_0.log keeps it
@@ -379,13 +377,13 @@ def cmd_overhead(args):
             peaks["bare"].append(peak_gib(device))
             gc.collect()
             reset_peak(device)
-            t, trainer_loss = trainer_run(args, cfg, tmp / f"run{rep}")
+            t, trainer_loss = trainer_run(cfg, tmp / f"run{rep}")
             trainer.append(steady_rate(t, args.warmup))
             peaks["trainer"].append(peak_gib(device))
             gc.collect()
             say(f"overhead repeat {rep + 1}/{args.repeats}: bare {bare[-1]:.2f} steps/s, "
                 f"trainer {trainer[-1]:.2f} steps/s")
-    bare_med, trainer_med = median(bare), median(trainer)
+    bare_med, trainer_med = statistics.median(bare), statistics.median(trainer)
     ratio = trainer_med / bare_med
     gc_s, cleanup = gc_collect_s(), cfg.get("cleanup_interval", DEFAULTS.cleanup_interval)
     tokens = args.batch_size * args.seq_len
@@ -411,7 +409,8 @@ def cmd_overhead(args):
         rows.append([title, f"{lp['steps_per_s']:.2f}", " ".join(f"{x:.2f}" for x in runs), f"{lp['step_ms']:.1f}",
                      f"{lp['samples_per_s']:.0f}", f"{lp['tokens_per_s']:.0f}",
                      "-" if lp["mfu"] is None else f"{lp['mfu']:.3f}",
-                     "-" if lp["peak_memory_gib"] is None else f"{lp['peak_memory_gib']:.2f}", f"{loss:.4f}"])
+                     "-" if lp["peak_memory_gib"] is None else f"{lp['peak_memory_gib']:.2f}",
+                     "-" if loss is None or not math.isfinite(loss) else f"{loss:.4f}"])
     table = markdown(["loop", "steps/s (median)", "runs", "ms/step", "samples/s", "tokens/s", "MFU",
                       "peak GPU memory GiB", f"loss at step {total}"], rows)
     table += (f"\n\n{args.device}, autocast {out['config']['autocast']}, compile {args.compile}; "
@@ -505,13 +504,13 @@ def bare_scaling_run(args, nproc, run_dir, cfg, independent=False):
 
 def scaling_rows(runs, steps):
     rows = []
-    base = median(r["samples_per_s"] for r in runs[1])
+    base = statistics.median(r["samples_per_s"] for r in runs[1])
     for n, rs in runs.items():
-        sps = median(r["samples_per_s"] for r in rs)
-        rows.append({"processes": n, "steps": steps, "wall_s": median(r["wall_s"] for r in rs),
-                     "timed_s": median(r["timed_s"] for r in rs), "samples_per_s": sps,
+        sps = statistics.median(r["samples_per_s"] for r in rs)
+        rows.append({"processes": n, "steps": steps, "wall_s": statistics.median(r["wall_s"] for r in rs),
+                     "timed_s": statistics.median(r["timed_s"] for r in rs), "samples_per_s": sps,
                      "speedup": sps / base, "efficiency": sps / (n * base),
-                     "step_ms_sd": median(r["step_ms_sd"] for r in rs),
+                     "step_ms_sd": statistics.median(r["step_ms_sd"] for r in rs),
                      "samples_per_s_runs": [r["samples_per_s"] for r in rs],
                      "exit_codes": [r.get("exit_code", 0) for r in rs]})
     return rows
@@ -701,7 +700,7 @@ def loader_figures(spec):
     ds, loader, info = open_loader("3x")
     rate = dict(info, evicted=evict(ds.files))
     rate["cold_samples_per_s"], rate["samples_per_epoch"] = epoch_rate(loader)
-    rate["warm_samples_per_s"] = median([epoch_rate(loader)[0] for _ in range(spec["warm_epochs"])])
+    rate["warm_samples_per_s"] = statistics.median([epoch_rate(loader)[0] for _ in range(spec["warm_epochs"])])
     out["rate"] = rate
     del ds, loader
     return out
@@ -746,7 +745,7 @@ def consumer_rate(args, data_dir):
         opt.zero_grad(set_to_none=True)
         sync(device)
         times.append(time.perf_counter() - start)
-    step_s = median(times[args.train_warmup:])
+    step_s = statistics.median(times[args.train_warmup:])
     return {"model": name, "batch_size": args.batch_size, "threads": torch.get_num_threads(), "step_s": step_s,
             "samples_per_s": args.batch_size / step_s, "step_s_runs": times[args.train_warmup:], "device": device.type,
             "peak_memory_gib": peak_gib(device)}
@@ -870,7 +869,7 @@ def timed(fn, repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return median(times)
+    return statistics.median(times)
 
 
 def payloads(hidden, layers, heads, seq_len, vocab, run_dir, device):
@@ -954,9 +953,9 @@ def in_loop_blocking(args, hidden, layers, heads, run_dir, background, pin=True)
     with_save = [p for step, p in periods.items() if (step - 1) % every == 0]
     plain = [p for step, p in periods.items() if (step - 1) % every != 0]
     return {"steps": total, "save_every_iters": every, "batch_size": args.loop_batch, "saves": len(events),
-            "blocked_s": median(events), "blocked_runs": events,
-            "step_s": median(plain), "step_with_save_s": median(with_save),
-            "period_blocked_s": median(with_save) - median(plain)}
+            "blocked_s": statistics.median(events), "blocked_runs": events,
+            "step_s": statistics.median(plain), "step_with_save_s": statistics.median(with_save),
+            "period_blocked_s": statistics.median(with_save) - statistics.median(plain)}
 
 
 def cmd_checkpoint(args):

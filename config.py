@@ -1,7 +1,7 @@
 """
 Data constants for the V-JEPA 2-AC GUI pipeline, shared by the generator, the loader and the trainer.
 
-A trajectory file holds `embeddings` [N, T, P, D] and `actions` [N, T-1, A, C]; see DESIGN.md.
+A trajectory file holds `embeddings` [N, T, P, D] and `actions` [N, T-1, A, C]; see README.md, V-JEPA 2-AC GUI predictor.
 Everything here is a plain constant so that any script can import it without side effects.
 """
 

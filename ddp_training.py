@@ -815,7 +815,8 @@ class DDPTrainer:
 
         self.data_info: dict = {}
         self.data_fingerprint = None  # of the built-in data only: a user's dataset may be costly or random to read
-        if model is None:
+        builtin_data = model is None
+        if builtin_data:
             data = build_lm_data(cfg)
             if data.vocab_size > cfg.vocab_size:
                 self.log.info("vocab_size raised from %d to %d for %s", cfg.vocab_size, data.vocab_size,
@@ -830,9 +831,16 @@ class DDPTrainer:
         if train_dataset is None:
             raise ValueError("a custom model needs train_dataset=")
         self.train_dataset = train_dataset  # the loader may wrap it (per-sample seeds in workers)
+        # What a step's throughput counts: the loss's own count, except where lm_loss normalises by sample
+        # and counts samples; the built-in data's windows all have seq_len targets, a user's may not.
+        self.tokens_per_sample = None
         if loss_fn is None:
             norm = cfg.loss_normalization
             loss_fn = lambda m, b: lm_loss(m, b, norm)  # noqa: E731
+            if norm == "sample" and builtin_data:
+                self.tokens_per_sample = cfg.seq_len
+            elif norm == "sample":
+                count_unit = "samples"
         self.loss_fn = loss_fn
         self.checkpoint_extra = checkpoint_extra or {}
         self.weights_key = weights_key
@@ -855,7 +863,7 @@ class DDPTrainer:
                 self.log.warning("static_graph with grad_accum_steps=%d: a resumed run matches an "
                                  "uninterrupted one only to rounding, not bit for bit", cfg.grad_accum_steps)
             self.static_graph = static
-            self.model = DDP(trained, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
+            self.model = DDP(trained, device_ids=[env.device.index] if env.device.type == "cuda" else None,
                              find_unused_parameters=cfg.find_unused_parameters, static_graph=static,
                              gradient_as_bucket_view=True, bucket_cap_mb=cfg.bucket_cap_mb)
         else:
@@ -1012,11 +1020,11 @@ class DDPTrainer:
                 elif batch.counted:
                     data_errors += 1
                     self.local_errors.append(f"data error: {batch.text}")
-                batch, weight = self._spare(), 0.0
+                batch, weight = self._spare(batch.text), 0.0
             elif self.spare_batch is None:
                 self.spare_batch = batch
             if fatal or oom:  # this step is lost: keep the collectives, skip the work
-                batch, weight = self._tiny_spare(), 0.0
+                batch, weight = self._tiny_spare(fatal or "out of memory"), 0.0
             try:
                 tally.add(*self._forward_backward(batch, last, weight))
             except Exception as exc:
@@ -1034,7 +1042,7 @@ class DDPTrainer:
                 if self.env.device.type == "cuda":
                     torch.cuda.empty_cache()
                 try:
-                    tally.add(*self._forward_backward(self._tiny_spare(), last, 0.0))
+                    tally.add(*self._forward_backward(self._tiny_spare(fatal or "out of memory"), last, 0.0))
                 except Exception as replay_exc:  # e.g. DDP had reduced part of a backward that died half-way
                     raise self._abandoned(fatal, replay_exc) from replay_exc
         unused = self._unused_parameters()
@@ -1082,7 +1090,7 @@ class DDPTrainer:
         # DDP averaged the per-rank sums: grad = (1/W) sum S / B. Make it sum S / N.
         factor = self.env.world_size * self.cfg.batch_size / g_count
         norm = raw_norm_value * factor
-        # clip * (1 / x), not clip / x: what the tensor version before it computed, so resumed runs stay bit-identical
+        # clip * (1 / x), not clip / x: the rounding of the runs and states made before this code (bit-identical)
         coef = factor * (min(self.cfg.grad_clip * (1.0 / (norm + 1e-6)), 1.0) if self.cfg.grad_clip > 0 else 1.0)
         torch._foreach_mul_(grads, coef)
         if self.scaler:
@@ -1095,10 +1103,10 @@ class DDPTrainer:
         result.update(skipped=False, nonfinite=False, grad_norm=norm)
         return result
 
-    def _tiny_spare(self):
+    def _tiny_spare(self, why: str):
         """One sample of the spare batch: enough to complete this rank's collectives with
         weight zero, small enough to fit after an out-of-memory error."""
-        return rt.split_batch(self._spare(), 0, self.cfg.batch_size)
+        return rt.split_batch(self._spare(why), 0, self.cfg.batch_size)
 
     def _split_micro_batches(self, micro: list, ways: int) -> list:
         if ways == 1:
@@ -1113,11 +1121,16 @@ class DDPTrainer:
             out.extend(rt.split_batch(b, k, ways) for k in range(ways))
         return out
 
-    def _spare(self):
-        """A batch that loads, to replay with weight zero; read by index, and with the RNG streams put back
-        after, so that a dataset's own draws (augmentation) leave no trace in the run."""
+    def _spare(self, why: str):
+        """A batch that loads, to replay with weight zero in place of one that failed (`why`); read by index,
+        and with the RNG streams put back after, so that a dataset's own draws (augmentation) leave no trace
+        in the run."""
         if self.spare_batch is None:
             ds, samples = self.train_dataset, []
+            if isinstance(ds, torch.utils.data.IterableDataset):
+                # Only under dispatch, where every rank gets its part of the same failed read: all raise here
+                raise StepFailed(f"step {self.global_step + 1}: {why}; no batch of the stream has loaded yet "
+                                 f"to stand in for it (a stream cannot be read by index)")
             streams = rt.rng_state()
             try:
                 for i in range(len(ds)):
@@ -1193,6 +1206,9 @@ class DDPTrainer:
                                "group, so each rank would see only its own shard; evaluate within the run "
                                "(val_interval, test_dataset=) or load the saved weights into a new trainer")
         loader = self.val_loader if loader is None else loader  # not `or`: an empty shard's loader is falsy
+        if loader is None:
+            raise ValueError("evaluate(): this trainer has no validation set (val_dataset= not given, or "
+                             "val_fraction=0); pass evaluate(loader)")
         self.set_train_mode = True
         try:
             return evaluate_model(self.raw_model, loader, self.loss_fn, self.env.device, self._autocast,
@@ -1768,12 +1784,13 @@ class DDPTrainer:
         cfg = self.cfg
         self.skipped_steps += r["skipped"]
         self.consecutive_bad_steps = self.consecutive_bad_steps + 1 if r["nonfinite"] else 0
-        mfu = None if self.mfu_per_unit is None else self.mfu_per_unit * r["count"] / step_time
+        count = r["count"] if self.tokens_per_sample is None else global_batch * self.tokens_per_sample
+        mfu = None if self.mfu_per_unit is None else self.mfu_per_unit * count / step_time
         record = {"type": "train", "step": self.global_step, "epoch": self.epoch, "loss": r["loss"],
                   **({"mfu": mfu} if mfu is not None else {}),
                   **r["extras"], "lr": r["lr"],
                   "grad_norm": r["grad_norm"],
-                  "samples_per_s": global_batch / step_time, f"{self.count_unit}_per_s": r["count"] / step_time,
+                  "samples_per_s": global_batch / step_time, f"{self.count_unit}_per_s": count / step_time,
                   "skipped": r["skipped"], "time": time.time() - self.t0}
         mem = self.memory.on_step(self.global_step)
         if mem:
@@ -1850,7 +1867,7 @@ class DDPTrainer:
         """Model FLOPs utilisation of one GPU per global token per second, for models that count
         their FLOPs on a GPU whose peak we know; None otherwise."""
         peak = peak_bf16_flops(self.env.device)
-        if peak is None or not hasattr(self.raw_model, "flops_per_token"):
+        if peak is None or not hasattr(self.raw_model, "flops_per_token") or self.count_unit != "tokens":
             return None
         return self.raw_model.flops_per_token() / self.env.world_size / peak
 
@@ -1981,32 +1998,48 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# What set-up raises for bad input (a data file, a refused or unreadable state): one line, exit 2
+class BadInput(Exception):
+    """A user error found at set-up (a flag, a data file, a refused state): one `error:` line, exit 2."""
+
+
+# What set-up raises for bad input (a data file, a refused or unreadable state)
 SETUP_ERRORS = (ValueError, FileNotFoundError, rt.CheckpointError)
 EXIT_BAD_INPUT = 2
 
 
-def _train_and_exit_code(rank: int, world_size: int, cfg: dict, local_rank: Optional[int] = None,
-                         requested=None) -> int:
-    """Train; the exit status: 0, EXIT_PREEMPTED, or EXIT_BAD_INPUT for a set-up error (bad input: a data
-    file, a refused state), which rank 0 prints as one line. `requested`: spawn_local's note of a stop signal
-    it passed on, which this process may not have seen (see spawn_local)."""
-    # Caught from before set-up (seconds to minutes: rendezvous, data, a resume): a preempting signal then
-    # stops the run at its first step with a save and the PREEMPTED marker, instead of killing a rank there
-    # (or ends a set-up still running rt.SETUP_STOP_GRACE_S later, with the marker: see SetUpWatch)
+def train_preemptible(build: Callable[[], "DDPTrainer"], log_dir, requested=None) -> int:
+    """`build()` a trainer and train it; the exit status: 0, or EXIT_PREEMPTED for a stop by a signal.
+
+    A scheduler's signal is caught from before set-up (seconds to minutes: rendezvous, data checks, a
+    resume): it then stops the run at its first step with a save and the PREEMPTED marker, instead of killing
+    a rank there that its peers would wait for. A second one, or a set-up still running
+    rt.SETUP_STOP_GRACE_S after the first, ends the process (see rt.SetUpWatch). `requested`: spawn_local's
+    note of a stop it passed on, which this process may not have seen."""
     with rt.StopSignal(rt.StopSignal.PREEMPT_SIGNALS) as stop_signal:
         if requested is not None and requested.value and stop_signal.received is None:
             stop_signal.received = requested.value
-        try:
-            log_dir = TrainConfig.from_dict(cfg).log_dir
-            with rt.SetUpWatch(log_dir=log_dir):  # a second stop, or a set-up stuck past the grace, exits
-                trainer = DDPTrainer(rank=rank, world_size=world_size, local_rank=local_rank, config=cfg)
-        except SETUP_ERRORS as exc:
-            if rank == 0:
-                print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-            return EXIT_BAD_INPUT
+        with rt.SetUpWatch(log_dir=log_dir):
+            trainer = build()
         summary = trainer.train(stop_signal)
     return rt.EXIT_PREEMPTED if summary["status"] == "interrupted" else 0
+
+
+def _train_and_exit_code(rank: int, world_size: int, cfg: dict, local_rank: Optional[int] = None,
+                         requested=None) -> int:
+    """Train; the exit status: 0, EXIT_PREEMPTED, or EXIT_BAD_INPUT for a set-up error (bad input), which
+    rank 0 prints as one line."""
+    def build():
+        try:
+            return DDPTrainer(rank=rank, world_size=world_size, local_rank=local_rank, config=cfg)
+        except SETUP_ERRORS as exc:  # not around train(): a ValueError there is a failure with its traceback
+            raise BadInput(f"{type(exc).__name__}: {exc}") from exc
+
+    try:
+        return train_preemptible(build, TrainConfig.from_dict(cfg).log_dir, requested)
+    except BadInput as exc:
+        if rank == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 def _spawned_worker(rank: int, world_size: int, cfg: dict, requested=None) -> None:
@@ -2030,7 +2063,7 @@ def _a_rank_died_of_the_stop(procs: list, forwarded: list) -> bool:
 
 def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker) -> int:
     """Run `worker(rank, nproc, cfg, requested)` on `nproc` local processes (torch.multiprocessing, a free
-    port), for users without torchrun. Returns the exit status: 0, EXIT_PREEMPTED or 1.
+    port), for users without torchrun. Returns the exit status: 0, EXIT_PREEMPTED, EXIT_BAD_INPUT or 1.
 
     A signal passed on to a rank between its fork and its exec is taken by the handler it inherited from
     this process and lost; `requested` (shared memory) holds the first stop, and each rank reads it once it
@@ -2048,7 +2081,7 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker) -> int:
             if p.is_alive():
                 os.kill(p.pid, signum)
     # before the start: a signal in between would kill this process and leave the ranks unattended
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    previous = {sig: signal.signal(sig, forward) for sig in map(signal.Signals.__getitem__, rt.StopSignal.SIGNALS)}
     try:
         context = mp.start_processes(worker, args=(nproc, cfg, requested), nprocs=nproc, join=False,
                                      start_method="spawn")

@@ -41,7 +41,8 @@ from typing import Optional
 METRICS_FILE = "metrics.jsonl"
 # Keys of train/val records that are coordinates or labels, not metrics to plot.
 NOT_METRICS = {"type", "step", "epoch", "time", "steps_per_epoch"}
-# Every memory peak a trainer may log; "peak memory" is the largest of them.
+# The memory peaks a trainer logs; "peak memory" is the largest of them (its anonymous-memory peak,
+# cpu_peak_anon_gb, is part of the RSS one, never larger).
 PEAK_KEYS = ("cpu_peak_rss_gb", "peak_rss_gb", "cuda_peak_gb")
 SUMMARY_FIELDS = ("name", "status", "steps", "sessions", "final_val_loss", "best_val_loss", "test_loss",
                   "total_time_s", "avg_samples_per_s", "mfu", "world_size", "peak_mem_gb")

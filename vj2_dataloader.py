@@ -1,7 +1,7 @@
 """
 The VJ2 .npz trajectory dataset: file validation, a global index and cheap per-sample reads.
 
-A file holds `embeddings` [N, T, P, D] and `actions` [N, T-1, A, C], float16 or float32 (see DESIGN.md).
+A file holds `embeddings` [N, T, P, D] and `actions` [N, T-1, A, C], float16 or float32 (see README.md).
 Every file is validated before training (validate_npz), so a bad file fails up front with an error naming the
 file, the key and what was expected, instead of crashing one rank in the middle of an epoch. Other keys in a
 file are ignored.
@@ -106,7 +106,8 @@ class FileInfo:
 
     @property
     def mappable(self):
-        """True when every array can be np.memmap'ed (all members stored, none deflated)."""
+        """True when every array lies in the file as it is (stored, not deflated): read with os.pread at an
+        offset, no map and no decompression."""
         return all(m.data_offset is not None for m in self.members.values())
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -329,7 +330,7 @@ def list_files(data_dir):
 class VJ2TrajectoryDataset(Dataset):
     """
     All trajectories of the *.npz files in data_dir (sorted by name), one item per trajectory:
-    (embeddings [T, P, D] tensor in the stored dtype, actions [T-1, A*C] float32 tensor).
+    (embeddings [T, P, D] tensor in the widest stored dtype, native byte order; actions [T-1, A*C] float32).
     Files are validated up front; with skip_bad_files a bad file is warned about and listed in `skipped`
     instead of raising. All files must share one geometry; with skip_bad_files the geometry held by the most
     trajectories is kept and files of another are skipped (a tie is an error). rollout_horizon, when given,

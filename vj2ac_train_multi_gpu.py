@@ -4,7 +4,7 @@ Trains a V-JEPA 2-AC style action-conditioned predictor on VJ2 GUI trajectories,
 The predictor reads frozen encoder tokens z_t [P, D] and the GUI actions a_t between steps, and predicts z_{t+1}.
 Per step t its tokens are [action_t, patch_1 .. patch_P]; a block-causal mask lets every token see its own step
 and earlier ones, so the output of step t can predict step t+1. The loss is L1 teacher forcing over steps 1..T-1
-plus L1 over an autoregressive rollout of --rollout_horizon steps, on layer-normed tokens (see DESIGN.md).
+plus L1 over an autoregressive rollout of --rollout_horizon steps, on layer-normed tokens (see README.md).
 
     python create_synthetic_data.py --output_dir ./train_data --num_files 3 --trajectories_per_file 10
     python create_synthetic_data.py --output_dir ./val_data --seed 1 --num_files 1
@@ -15,7 +15,8 @@ plus L1 over an autoregressive rollout of --rollout_horizon steps, on layer-norm
         [--shuffle_actions]
 
 Checkpoints (rank 0, weights only): checkpoint_dir/vjepa2_{best,step_N,epoch_N,interrupted,final}.pt, each
-holding `predictor`, `global_step`, `predictor_config` and `val_loss` once a validation has run.
+holding `predictor`, `global_step`, `predictor_config`, `rollout_horizon`, and `val_loss` when a validation
+ran at that step.
 """
 
 import argparse
@@ -34,7 +35,7 @@ from torch.utils.data import Dataset
 
 import config
 import ddp_runtime as rt
-from ddp_training import MAX_TIMEOUT_S, DDPTrainer, evaluate_model
+from ddp_training import MAX_TIMEOUT_S, BadInput, DDPTrainer, evaluate_model, train_preemptible
 from vj2_dataloader import VJ2TrajectoryDataset, data_fingerprint, list_files
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -164,10 +165,6 @@ def vj2_loss(model, batch, rollout_horizon):
 
 # -----------------------------------------------------------------------------------------------------------------
 # data
-
-
-class BadInput(Exception):
-    """A user error (flag, file, checkpoint): reported in one line, exit status 2."""
 
 
 @contextmanager
@@ -394,15 +391,8 @@ def train_config(args):
 
 
 def train(args, launch):
-    # Caught from before set-up (checking every data file can take minutes): a preempting signal then stops
-    # the run at its first step with a save and the PREEMPTED marker, instead of killing a rank there (or
-    # ends a set-up still running rt.SETUP_STOP_GRACE_S later, with the marker: see SetUpWatch)
-    with rt.StopSignal(rt.StopSignal.PREEMPT_SIGNALS) as stop_signal:
-        cfg = train_config(args)
-        with rt.SetUpWatch(log_dir=cfg["log_dir"]):  # a second stop, or a set-up stuck past the grace, exits
-            trainer = set_up(args, launch, cfg)
-        summary = trainer.train(stop_signal)
-    return rt.EXIT_PREEMPTED if summary["status"] == "interrupted" else 0
+    cfg = train_config(args)
+    return train_preemptible(lambda: set_up(args, launch, cfg), cfg["log_dir"])
 
 
 def set_up(args, launch, cfg):

@@ -166,6 +166,16 @@ def test_table_output(tmp_path, capsys, no_launch_env):
         json.loads(out)
 
 
+def test_json_output_stays_strict_when_a_figure_is_not_finite(capsys):
+    """A diverged loss (NaN) or a zero-time rate (inf) becomes null: `json.loads` of the output never fails."""
+    import argparse
+    import benchmark
+    out = {"env": benchmark.environment(), "trainer_final_loss": math.nan, "ratio": math.inf, "runs": [1.0, math.nan]}
+    benchmark.finish(out, argparse.Namespace(json=True), table="")
+    printed = json.loads(capsys.readouterr().out)
+    assert (printed["trainer_final_loss"], printed["ratio"], printed["runs"]) == (None, None, [1.0, None])
+
+
 @pytest.mark.parametrize("argv,message", [
     (["scaling", "--nproc", "1"], "argument --nproc: expected an integer >= 2, got 1"),
     (["overhead", "--repeats", "0"], "argument --repeats: expected an integer >= 1, got 0"),

@@ -130,3 +130,31 @@ def test_dispatch_with_a_stuck_rank_0_names_the_timeout_not_bad_data(tmp_path):
     # the other rank's scatter times out: a failed collective, never a data error replayed as its own failure
     _, other = spawn(_stalled, 2, str(tmp_path), timeout=90)
     assert other.startswith("StepFailed: step 2: a collective did not complete within dist_timeout=3s"), other
+
+
+class BrokenStream(torch.utils.data.IterableDataset):
+    """A source whose first read fails: no batch has loaded yet that could stand in for it."""
+
+    def __iter__(self):
+        raise ConnectionError("the bucket is gone")
+        yield
+
+
+def _broken_stream(rank, world_size, root):
+    data = synthetic_lm_data(TrainConfig.from_dict(CFG))
+    cfg = {**CFG, "data_strategy": "dispatch", "max_steps": 3, "log_dir": str(Path(root) / "logs"),
+           "checkpoint_dir": str(Path(root) / "ckpt")}
+    try:
+        DDPTrainer(rank=rank, world_size=world_size, config=cfg, model=CausalLM(64, 32, 1, 2, 16),
+                   train_dataset=BrokenStream(), val_dataset=data.val).train()
+        return "completed"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_a_stream_that_fails_at_its_first_read_fails_step_1_on_every_rank_naming_the_error(tmp_path):
+    errors = spawn(_broken_stream, 2, str(tmp_path), timeout=90)
+    for rank, error in enumerate(errors):
+        assert error == (f"StepFailed: step 1: BatchLoadError: ConnectionError: the bucket is gone (read by rank 0 "
+                         f"for rank {rank}, data_strategy dispatch); no batch of the stream has loaded yet to stand "
+                         f"in for it (a stream cannot be read by index)"), errors

@@ -307,6 +307,16 @@ def test_gradient_accumulation_and_sample_normalisation_train(tmp_path, no_launc
     s = DDPTrainer(config={**QUICK, **dirs(tmp_path), "batch_size": 8, "grad_accum_steps": 2,
                            "loss_normalization": "sample"}).train()
     assert gap_fraction(s["final_val_loss"], s["loss_floor"]) < MAX_GAP_FRACTION
+    # the loss counts samples here; the throughput still counts tokens (seq_len targets per window)
+    for r in metrics(tmp_path / "logs", "train"):
+        assert r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * QUICK["seq_len"], rel=1e-9)
+
+
+def test_evaluate_without_a_validation_set_says_so(tmp_path, no_launch_env):
+    trainer = DDPTrainer(config={**QUICK, **dirs(tmp_path), "val_fraction": 0})
+    with pytest.raises(ValueError, match=r"evaluate\(\): this trainer has no validation set"):
+        trainer.evaluate()
+    assert trainer.evaluate(trainer.train_loader)["loss"] > 0
 
 
 def test_nonfinite_loss_skips_the_step_and_gives_up_after_max_bad_steps(tmp_path, no_launch_env):
