@@ -867,8 +867,22 @@ class StopSignal:
 
 # How long set-up may go on after a preempting signal before a rank gives up on it: long enough for peers
 # that started a little later to join and stop together at the first step, short of the 30 s that SLURM
-# (KillWait) and torchrun give by default before SIGKILL.
+# (KillWait) and torchrun give by default before SIGKILL. The variable of that name sets another (read
+# before any config: the watch starts first); a cluster with a longer KillWait may give set-up longer.
 SETUP_STOP_GRACE_S = 20.0
+
+
+def setup_stop_grace_s() -> float:
+    text = os.environ.get("SETUP_STOP_GRACE_S")
+    if text is None:
+        return SETUP_STOP_GRACE_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"SETUP_STOP_GRACE_S={text!r} in the environment: expected seconds > 0")
+    return value
 
 
 class SetUpWatch:
@@ -878,14 +892,14 @@ class SetUpWatch:
     flag only after dist_timeout; Python's C-level handler also writes each signal to the wakeup fd, and a
     thread watches it:
     - a second such signal ends the process at once (exit 128 + signal);
-    - `grace_s` after the first, a set-up still running ends the process with EXIT_PREEMPTED, after writing
-      the PREEMPTED marker into `log_dir` (when given). Nothing has been trained in this process yet, so
-      nothing is lost: relaunching resumes from the last state on disk."""
+    - `grace_s` (default: setup_stop_grace_s()) after the first, a set-up still running ends the process
+      with EXIT_PREEMPTED, after writing the PREEMPTED marker into `log_dir` (when given). Nothing has been
+      trained in this process yet, so nothing is lost: relaunching resumes from the last state on disk."""
 
-    def __init__(self, names: tuple = StopSignal.PREEMPT_SIGNALS, grace_s: float = SETUP_STOP_GRACE_S,
+    def __init__(self, names: tuple = StopSignal.PREEMPT_SIGNALS, grace_s: Optional[float] = None,
                  log_dir: Optional[str | os.PathLike] = None):
         self.signums = {getattr(signal, n) for n in names if hasattr(signal, n)}
-        self.grace_s = grace_s
+        self.grace_s = setup_stop_grace_s() if grace_s is None else grace_s
         self.log_dir = log_dir
         self._previous_fd = None
         self._done = False

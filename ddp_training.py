@@ -517,8 +517,30 @@ def file_lm_data(cfg: TrainConfig) -> LMData:
                   dict(source=f"{path} ({n} tokens)", unigram_entropy=round(ent, 5)))
 
 
+# Token data up to this size is hashed whole (about a second); larger data by FINGERPRINT_WINDOWS windows
+FINGERPRINT_FULL_BYTES = 1 << 28
+FINGERPRINT_WINDOWS = 4096
+FINGERPRINT_VERSION = "2:"  # the first kind (before 26 Nov 2026): bare hex of the first and last window
+
+
 def data_fingerprint(train: TokenSequences) -> str:
-    """A short digest of the first and last training windows and their count."""
+    """A short digest of the token data under the training windows and their count: every token when the
+    data is at most FINGERPRINT_FULL_BYTES, else FINGERPRINT_WINDOWS windows spread evenly over the training
+    windows (the first and last among them), so that an edit between those goes unseen."""
+    sha = hashlib.sha256(f"{len(train.starts)} windows of {train.seq_len + 1}\n".encode())
+    tokens = train.tokens
+    if tokens.nbytes <= FINGERPRINT_FULL_BYTES:
+        for i in range(0, len(tokens), 1 << 24):
+            sha.update(np.ascontiguousarray(tokens[i:i + (1 << 24)]).tobytes())
+    else:
+        picks = np.unique(np.linspace(0, len(train.starts) - 1, FINGERPRINT_WINDOWS).round().astype(np.int64))
+        for s in train.starts[picks]:
+            sha.update(np.asarray(tokens[s:s + train.seq_len + 1]).tobytes())
+    return FINGERPRINT_VERSION + sha.hexdigest()[:16]
+
+
+def first_kind_fingerprint(train: TokenSequences) -> str:
+    """The fingerprint of states written before 26 Nov 2026: the first and last windows and their count."""
     width = train.seq_len + 1
     first, last = (np.asarray(train.tokens[s:s + width]) for s in (train.starts[0], train.starts[-1]))
     return hashlib.sha256(first.tobytes() + last.tobytes() + str(len(train.starts)).encode()).hexdigest()[:16]
@@ -1290,9 +1312,13 @@ class DDPTrainer:
         if saved == "absent":
             self.log.warning("%s predates the training data's fingerprint: that it holds the same data as this run "
                              "cannot be checked (synthetic data is drawn otherwise since 25 Nov 2026)", path)
-        elif saved != self.data_fingerprint:
+            return
+        ours = self.data_fingerprint
+        if not saved.startswith(FINGERPRINT_VERSION):  # a state of the first kind: compared the way it was made
+            ours = first_kind_fingerprint(self.train_dataset)
+        if saved != ours:
             raise StateMismatch(f"{path} was written while training on other data (fingerprint {saved}, this run's "
-                                f"{self.data_fingerprint}); resuming it is refused (resume none or another "
+                                f"{ours}); resuming it is refused (resume none or another "
                                 f"run_name starts fresh; or use the original data settings)")
 
     def _seeded_samples(self) -> bool:
@@ -1388,9 +1414,6 @@ class DDPTrainer:
                              "numbers in __getitem__ (augmentation) draws others than an unbroken run would, so the "
                              "weights will not match one bit for bit (a dataset without randomness is unaffected)",
                              path, "some" if saved else "no", "some" if not saved else "none")
-        if len(state["rng"]) != self.env.world_size:
-            raise KeyError(f"{path} holds RNG streams of {len(state['rng'])} ranks, this run has "
-                           f"{self.env.world_size}")
         try:
             self.raw_model.load_state_dict(state["model"])
         except RuntimeError as exc:

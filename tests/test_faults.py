@@ -443,8 +443,10 @@ def test_uneven_shards_equal_steps_and_exact_validation(tmp_path):
 
 
 def test_a_stopped_rank_turns_into_a_timeout_error_on_the_others(tmp_path):
+    # first_step_timeout: the first step may wait 600 s; every later one is back at dist_timeout
     cmd = torchrun(2, "ddp_training.py", "--cpu", "--test", "--max_steps", "100000", "--val_interval", "0",
-                   "--dist_timeout", "10", "--resume", "none", "--log_dir", "logs", "--checkpoint_dir", "ckpt")
+                   "--dist_timeout", "10", "--first_step_timeout", "600", "--resume", "none", "--log_dir", "logs",
+                   "--checkpoint_dir", "ckpt")
     with background(cmd, tmp_path) as agent:  # leaving kills the group, the stopped rank too
         wait_for_step(tmp_path / "logs" / "metrics.jsonl", 5)
         torchrun_workers(agent)[1].send_signal(signal.SIGSTOP)

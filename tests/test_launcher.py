@@ -64,6 +64,20 @@ def failed(r, *words):
 
 # -- GPUs and --nproc ---------------------------------------------------------------------------------------
 
+def test_debug_and_restarts_set_what_torchrun_and_its_workers_read(tmp_path, fake_bin):
+    show = 'echo "debug=${TORCH_DISTRIBUTED_DEBUG-unset} nccl=${NCCL_DEBUG-unset} blocking=${CUDA_LAUNCH_BLOCKING-unset} ' \
+           'share=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE-unset}"'
+    r = launch(["--cpu"], tmp_path, fake_bin, FAKE_TORCHRUN_THEN=show)
+    assert "debug=unset nccl=unset blocking=unset share=unset" in r.stdout, r.stdout
+    # INFO, not DETAIL: DDP's constructor segfaults under DETAIL with torch 2.13
+    r = launch(["--cpu", "--debug", "--max-restarts", "2"], tmp_path, fake_bin, FAKE_TORCHRUN_THEN=show)
+    assert "debug=INFO nccl=INFO blocking=1 share=1" in r.stdout and "[--debug]" in r.stdout, r.stdout
+    assert "[--max_restarts][2]" in r.stdout, r.stdout
+    r = launch(["--cpu", "--debug"], tmp_path, fake_bin, FAKE_TORCHRUN_THEN=show, TORCH_DISTRIBUTED_DEBUG="OFF")
+    assert "debug=OFF " in r.stdout, r.stdout  # an exported value wins
+
+
+
 def test_gpu_mode_refuses_more_processes_than_gpus(tmp_path, fake_bin):
     fake_nvidia_smi(fake_bin, 2)
     failed(launch(["--nproc", "4"], tmp_path, fake_bin), "--nproc 4", "2 selected")
@@ -316,6 +330,9 @@ def sbatch(tmp_path, fake_bin, marker: bool, **env):
 
 def test_slurm_run_name_is_unique_per_job_and_requeues_on_preemption(tmp_path, fake_bin):
     assert subprocess.run(["bash", "-n", SBATCH]).returncode == 0
+    # SLURM's warning signal before the time limit, to the tasks (not `B:`, the batch shell), and requeueing
+    directives = [line.split()[1] for line in SBATCH.read_text().splitlines() if line.startswith("#SBATCH ")]
+    assert "--signal=TERM@120" in directives and "--requeue" in directives
     r = sbatch(tmp_path, fake_bin, marker=False)
     assert r.returncode == 0, r.stdout
     assert "[--log_dir][runs/ddp-train-4242][--checkpoint_dir][checkpoints/ddp-train-4242]" in r.stdout, r.stdout

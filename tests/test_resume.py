@@ -4,6 +4,7 @@ on two, after SIGTERM, after SIGKILL under torchrun --max-restarts, and after co
 
 import json
 import os
+import random
 import signal
 import time
 from pathlib import Path
@@ -121,6 +122,27 @@ def test_a_state_of_other_built_in_data_is_refused_and_one_without_a_fingerprint
     assert DDPTrainer(config={**cfg, "max_steps": 8}).train()["resumed_from"].endswith("model_state_step_5.pt")
     assert "model_state_step_5.pt predates the training data's fingerprint" in (
         tmp_path / "logs" / "rank_0.log").read_text()
+
+
+def test_a_state_of_a_data_file_edited_in_the_middle_is_refused(tmp_path, no_launch_env):
+    """Every token counts for data of moderate size, not just the first and last windows; a state of the
+    first kind of fingerprint (those two windows) still resumes on the data it was made with."""
+    import ddp_training
+    text = tmp_path / "corpus.txt"
+    text.write_bytes(bytes(random.Random(0).choices(range(97, 123), k=20000)))
+    cfg = {**cfg_for(tmp_path, max_steps=2), "data": str(text)}
+    DDPTrainer(config=cfg).train()
+    path = tmp_path / "ckpt" / "model_state_step_2.pt"
+    state = rt.load_checkpoint(path)
+    assert state["data_fingerprint"].startswith(ddp_training.FINGERPRINT_VERSION)
+    first_kind = ddp_training.first_kind_fingerprint(ddp_training.file_lm_data(TrainConfig.from_dict(cfg)).train)
+    edited = bytearray(text.read_bytes())
+    edited[10000:10100] = b"z" * 100
+    text.write_bytes(bytes(edited))
+    with pytest.raises(ValueError, match="model_state_step_2.pt was written while training on other data"):
+        DDPTrainer(config={**cfg, "max_steps": 4}).train()
+    rt.atomic_save({**state, "data_fingerprint": first_kind}, path)  # the first kind misses a middle edit
+    assert DDPTrainer(config={**cfg, "max_steps": 4}).train()["resumed_from"].endswith("model_state_step_2.pt")
 
 
 def test_resume_none_starts_fresh_and_sets_the_old_states_aside(tmp_path, no_launch_env):
@@ -250,10 +272,12 @@ def test_a_changed_learning_rate_applies_after_resume(tmp_path, no_launch_env, c
     assert "this run's [(0.001, 0.05), (0.001, 0.0)] apply" in (tmp_path / "logs" / "rank_0.log").read_text()
 
 
-def test_only_the_newest_states_are_kept(tmp_path, no_launch_env):
-    DDPTrainer(config=cfg_for(tmp_path, keep_states=2)).train()
-    states = sorted(p.name for p in (tmp_path / "ckpt").glob("model_state_step_*.pt"))
-    assert states == ["model_state_step_15.pt", "model_state_step_20.pt"]
+@pytest.mark.parametrize("keep,kept", [(2, [15, 20]), (0, [5, 10, 15, 20])])  # 0: all of them
+def test_only_the_newest_states_are_kept(tmp_path, no_launch_env, keep, kept):
+    DDPTrainer(config=cfg_for(tmp_path, keep_states=keep)).train()
+    states = sorted(int(p.name[len("model_state_step_"):-3]) for p in (tmp_path / "ckpt").glob("model_state_step_*.pt"))
+    assert states == kept
+    assert all((tmp_path / "ckpt" / f"model_state_step_{s}.pt.sha256").exists() for s in kept)
 
 
 def test_corrupt_newest_state_falls_back_to_the_previous(tmp_path, no_launch_env, reference_1, caplog):
@@ -312,10 +336,16 @@ def test_a_state_that_fails_half_way_leaves_no_trace(tmp_path, no_launch_env, da
     assert resumed.loader_rng["current"].equal(direct.loader_rng["current"])
 
 
-def test_changed_batch_size_is_refused_clearly(tmp_path, no_launch_env):
+@pytest.mark.parametrize("change,message", [
+    ({"batch_size": 8}, "batch_size=16, this run has batch_size=8"),
+    ({"grad_accum_steps": 2}, "grad_accum_steps=1, this run has grad_accum_steps=2"),
+    ({"seed": 7}, "seed=1337, this run has seed=7"),
+    ({"dataset_size": 256}, r"train_samples=\d+, this run has train_samples=\d+"),
+])
+def test_a_setting_the_sample_order_depends_on_is_refused_clearly(tmp_path, no_launch_env, change, message):
     DDPTrainer(config=cfg_for(tmp_path), loss_fn=SignalAt(6)).train()
-    with pytest.raises(ValueError, match="batch_size=16, this run has batch_size=8"):
-        DDPTrainer(config=cfg_for(tmp_path, batch_size=8))
+    with pytest.raises(ValueError, match=message + "; resuming with a different"):
+        DDPTrainer(config=cfg_for(tmp_path, **change))
 
 
 def test_another_model_is_refused_and_nothing_is_overwritten(tmp_path, no_launch_env):

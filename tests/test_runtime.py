@@ -431,9 +431,21 @@ def test_set_up_still_running_past_the_grace_after_a_stop_exits_75_with_the_mark
         assert not (tmp_path / "run" / "PREEMPTED").exists()
         return
     assert proc.returncode == rt.EXIT_PREEMPTED and 1.4 < time.monotonic() - t0 < 15, err
+    assert rt.SETUP_STOP_GRACE_S < 30  # SLURM's KillWait and torchrun's shutdown wait: SIGKILL after 30 s
     assert "SIGTERM 1.5s ago and set-up has not finished" in err and "nothing was trained here" in err
     marker = json.loads((tmp_path / "run" / "PREEMPTED").read_text())
     assert marker == {"step": None, "signal": "SIGTERM", "stopped_during": "set-up"}
+
+
+def test_the_set_up_grace_comes_from_the_environment_and_a_bad_value_names_it(monkeypatch):
+    monkeypatch.delenv("SETUP_STOP_GRACE_S", raising=False)
+    assert rt.SetUpWatch().grace_s == rt.SETUP_STOP_GRACE_S == 20
+    monkeypatch.setenv("SETUP_STOP_GRACE_S", "7.5")
+    assert rt.SetUpWatch().grace_s == 7.5
+    for bad in ("0", "-1", "soon", "inf", "nan"):
+        monkeypatch.setenv("SETUP_STOP_GRACE_S", bad)
+        with pytest.raises(ValueError, match=f"SETUP_STOP_GRACE_S='{bad}' in the environment: expected seconds > 0"):
+            rt.SetUpWatch()
 
 # -- checkpoint I/O -----------------------------------------------------------------
 
