@@ -36,7 +36,7 @@ import torch.nn.functional as F
 import config
 import ddp_runtime as rt
 import training_logs
-from ddp_training import (CausalLM, DDPTrainer, TrainConfig, amp_dtype_for, build_optimizer, lr_factor,
+from ddp_training import (CausalLM, DDPTrainer, TrainConfig, amp_dtype_for, build_optimizer, build_scheduler,
                           peak_bf16_flops, spawn_local, synthetic_lm_data)
 
 REPO = Path(__file__).resolve().parent
@@ -259,8 +259,7 @@ def bare_loop(model, raw_model, loader, total, cfg, device=torch.device("cpu"), 
         raise SystemExit("error: the bare loop has no GradScaler, so it runs bf16 or fp32 only: pass --precision "
                          "bf16 or fp32")
     opt = build_optimizer(raw_model, cfg.learning_rate, cfg.weight_decay, device)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(
-        s, total, cfg.warmup_steps, cfg.lr_schedule, cfg.min_lr_ratio))
+    sched = build_scheduler(opt, cfg, total)
     model.train()
     times, loss = [], None
     for step, (x, y) in enumerate(loader):

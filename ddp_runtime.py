@@ -228,12 +228,20 @@ def missing_ranks(timeout_s: float) -> str:
     return "monitored_barrier: every rank answered"
 
 
+FAILED_PREFIX = "FAILED_rank_"
+
+
 def write_failure_marker(log_dir, rank: int, step: int, exc: BaseException) -> None:
     """`FAILED_rank_N` (JSON) in the run dir: the other ranks read it to report this rank's
     error, and a requeue script tells a failure from a preemption."""
     Path(log_dir).mkdir(parents=True, exist_ok=True)
     record = {"rank": rank, "step": step, "error": f"{type(exc).__name__}: {exc}"}
-    (Path(log_dir) / f"FAILED_rank_{rank}").write_text(json.dumps(record) + "\n")
+    (Path(log_dir) / f"{FAILED_PREFIX}{rank}").write_text(json.dumps(record) + "\n")
+
+
+def clear_failure_marker(log_dir, rank: int) -> None:
+    """A previous run's marker of this rank: gone before this one trains."""
+    (Path(log_dir) / f"{FAILED_PREFIX}{rank}").unlink(missing_ok=True)
 
 
 PREEMPTED_MARKER = "PREEMPTED"
@@ -245,7 +253,7 @@ def write_preempted_marker(log_dir, record: dict) -> Path:
     torchrun). Written through a temp file: every rank that gives up in set-up may write it at once."""
     path = Path(log_dir) / PREEMPTED_MARKER
     path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, lambda f: f.write((json.dumps(record) + "\n").encode()))
+    atomic_write_text(path, json.dumps(record) + "\n")
     return path
 
 
@@ -254,7 +262,7 @@ def read_failure_markers(log_dir, exclude: int, wait_s: float, world_size: Optio
     deadline = time.time() + wait_s
     while True:
         found = []
-        for p in sorted(Path(log_dir).glob("FAILED_rank_*")):
+        for p in sorted(Path(log_dir).glob(f"{FAILED_PREFIX}*")):
             try:
                 rec = json.loads(p.read_text())
             except (OSError, json.JSONDecodeError):
@@ -1032,6 +1040,11 @@ def _atomic_write(path: Path, write, before_replace=None) -> str:
             tmp.unlink()
     _fsync_dir(path.parent)
     return out.sha.hexdigest()
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """`text` into `path` through a temp file in the same directory: a reader sees the old or the new file."""
+    _atomic_write(Path(path), lambda f: f.write(text.encode()))
 
 
 def atomic_save(obj: Any, path: str | os.PathLike) -> Path:

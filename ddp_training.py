@@ -564,6 +564,12 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, device: to
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), **fast)
 
 
+def build_scheduler(optimizer, cfg: "TrainConfig", total_steps: int):
+    """The LR schedule of cfg (lr_schedule, warmup_steps, min_lr_ratio) over `total_steps` optimizer steps."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
+        s, total_steps, cfg.warmup_steps, cfg.lr_schedule, cfg.min_lr_ratio))
+
+
 def amp_dtype_for(cfg: "TrainConfig", device: torch.device) -> Optional[torch.dtype]:
     """The autocast dtype a run uses (use_amp, amp_dtype), or None for full precision."""
     if not cfg.use_amp:
@@ -839,35 +845,78 @@ class DDPTrainer:
         self.data_fingerprint = None  # of the built-in data only: a user's dataset may be costly or random to read
         builtin_data = model is None
         if builtin_data:
-            data = build_lm_data(cfg)
-            if data.vocab_size > cfg.vocab_size:
-                self.log.info("vocab_size raised from %d to %d for %s", cfg.vocab_size, data.vocab_size,
-                              data.info["source"])
-            vocab = max(cfg.vocab_size, data.vocab_size)
-            model = CausalLM(vocab, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.seq_len, cfg.dropout)
-            train_dataset, val_dataset, test_dataset = data.train, data.val, data.test
-            self.data_info = data.info
-            self.data_fingerprint = data_fingerprint(data.train)
+            model, (train_dataset, val_dataset, test_dataset) = self._builtin_lm()
             checkpoint_extra = {"model_config": model.config, **(checkpoint_extra or {})}
             describe = describe or f"CausalLM {model.config}"
         if train_dataset is None:
             raise ValueError("a custom model needs train_dataset=")
         self.train_dataset = train_dataset  # the loader may wrap it (per-sample seeds in workers)
-        # What a step's throughput counts: the loss's own count, except where lm_loss normalises by sample
-        # and counts samples; the built-in data's windows all have seq_len targets, a user's may not.
+        self._set_loss(loss_fn, count_unit, builtin_data)
+        self.checkpoint_extra = checkpoint_extra or {}
+        self.weights_key = weights_key
+
+        self._wrap_model(model, describe)
+        self._build_loaders(train_dataset, val_dataset, test_dataset, collate_fn)
+        self._count_steps()
+        self._build_optimizer()
+        self.memory = rt.MemoryManager(env.device, self.log, cfg.memory_check_interval,
+                                       cfg.cleanup_interval, cfg.max_memory_gb)
+        self.metrics_path = Path(cfg.log_dir) / "metrics.jsonl"
+        self._tb = None
+        self._bar = None
+        self.in_train = False
+        self.ckpt_dir = Path(cfg.checkpoint_dir)
+        self.writer = rt.CheckpointWriter(cfg.async_checkpoint, self.log, pin=self.non_blocking)
+        self.mfu_per_unit = self._mfu_per_unit()
+        self.stepped = False  # this process completed a step (DDP has seen a whole backward)
+        self._metrics_file = None
+        self.state_step: Optional[int] = None  # the step of the newest resumable state this run saved
+
+        for name, value in self.FRESH_COUNTERS.items():
+            setattr(self, name, value)
+        self.local_errors: list = []
+        self.spare_batch = None
+        self.extra_names = None  # see _extra_names
+        self.micro_splits = 1
+        self.loader_rng = {"epoch_start": self.train_loader.generator.get_state(),
+                           "current": self.train_loader.generator.get_state()}
+        self.log.info("%d steps (%d per epoch), global batch %d = %d per rank x %d accum x %d ranks",
+                      self.total_steps, self.steps_per_epoch,
+                      cfg.batch_size * cfg.grad_accum_steps * env.world_size,
+                      cfg.batch_size, cfg.grad_accum_steps, env.world_size)
+        self.resumed_from = self._resume()  # last: it restores the RNG streams set-up consumed
+
+    def _builtin_lm(self) -> tuple:
+        """The default: a CausalLM and its data (synthetic, or cfg.data); (model, (train, val, test))."""
+        cfg = self.cfg
+        data = build_lm_data(cfg)
+        if data.vocab_size > cfg.vocab_size:
+            self.log.info("vocab_size raised from %d to %d for %s", cfg.vocab_size, data.vocab_size,
+                          data.info["source"])
+        vocab = max(cfg.vocab_size, data.vocab_size)
+        model = CausalLM(vocab, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.seq_len, cfg.dropout)
+        self.data_info = data.info
+        self.data_fingerprint = data_fingerprint(data.train)
+        return model, (data.train, data.val, data.test)
+
+    def _set_loss(self, loss_fn, count_unit: str, builtin_data: bool) -> None:
+        """The loss (lm_loss by default) and what a step's throughput counts: the loss's own count, except
+        where lm_loss normalises by sample and so counts samples (the built-in data's windows all have
+        seq_len targets; a user's may not)."""
         self.tokens_per_sample = None
         if loss_fn is None:
-            norm = cfg.loss_normalization
+            norm = self.cfg.loss_normalization
             loss_fn = lambda m, b: lm_loss(m, b, norm)  # noqa: E731
             if norm == "sample" and builtin_data:
-                self.tokens_per_sample = cfg.seq_len
+                self.tokens_per_sample = self.cfg.seq_len
             elif norm == "sample":
                 count_unit = "samples"
         self.loss_fn = loss_fn
-        self.checkpoint_extra = checkpoint_extra or {}
-        self.weights_key = weights_key
         self.count_unit = count_unit
 
+    def _wrap_model(self, model: nn.Module, describe: Optional[str]) -> None:
+        """The model on its device (raw_model), compiled if asked, and in DDP on several ranks (model)."""
+        cfg, env = self.cfg, self.env
         self.raw_model = model.to(env.device)
         # the step's gradient checks walk this list, not the module tree (~0.15 ms a step on a 12-layer model)
         self.named_params = list(self.raw_model.named_parameters())
@@ -878,20 +927,20 @@ class DDPTrainer:
         if self.data_info:
             self.log.info("data: %s", self.data_info)
         trained = torch.compile(model) if cfg.compile else model  # shares the parameters of `model`
-        if env.is_distributed:
-            static = use_static_graph(model, cfg)
-            self.log.info("DDP static_graph=%s", static)
-            if static and cfg.grad_accum_steps > 1:
-                self.log.warning("static_graph with grad_accum_steps=%d: a resumed run matches an "
-                                 "uninterrupted one only to rounding, not bit for bit", cfg.grad_accum_steps)
-            self.static_graph = static
-            self.model = DDP(trained, device_ids=[env.device.index] if env.device.type == "cuda" else None,
-                             find_unused_parameters=cfg.find_unused_parameters, static_graph=static,
-                             gradient_as_bucket_view=True, bucket_cap_mb=cfg.bucket_cap_mb)
-        else:
-            self.model = trained
-            self.static_graph = False
+        self.model, self.static_graph = trained, False
+        if not env.is_distributed:
+            return
+        self.static_graph = use_static_graph(model, cfg)
+        self.log.info("DDP static_graph=%s", self.static_graph)
+        if self.static_graph and cfg.grad_accum_steps > 1:
+            self.log.warning("static_graph with grad_accum_steps=%d: a resumed run matches an "
+                             "uninterrupted one only to rounding, not bit for bit", cfg.grad_accum_steps)
+        self.model = DDP(trained, device_ids=[env.device.index] if env.device.type == "cuda" else None,
+                         find_unused_parameters=cfg.find_unused_parameters, static_graph=self.static_graph,
+                         gradient_as_bucket_view=True, bucket_cap_mb=cfg.bucket_cap_mb)
 
+    def _build_loaders(self, train_dataset, val_dataset, test_dataset, collate_fn) -> None:
+        cfg, env = self.cfg, self.env
         pin = cfg.pin_memory and env.device.type == "cuda"
         loader = lambda ds, train: rt.build_dataloader(  # noqa: E731
             ds, cfg.batch_size, train=train, rank=env.rank, world_size=env.world_size, seed=cfg.seed,
@@ -915,10 +964,13 @@ class DDPTrainer:
         self.test_loader = loader(test_dataset, False) if test_dataset is not None else None
         self.non_blocking = pin
 
+    def _count_steps(self) -> None:
+        """Steps per epoch and in all; a stream's epoch lasts until it ends, its run until max_steps."""
+        cfg = self.cfg
         stream = False
         try:
             batches_per_epoch = len(self.train_loader)
-        except TypeError:  # a stream: an epoch lasts until it ends, the run until max_steps
+        except TypeError:
             stream = True
             if not cfg.max_steps:
                 raise ValueError("a training set without a length (a stream) needs max_steps") from None
@@ -930,50 +982,16 @@ class DDPTrainer:
             raise ValueError(f"{batches_per_epoch} batches per epoch are fewer than "
                              f"grad_accum_steps={cfg.grad_accum_steps}")
         self.total_steps = cfg.max_steps or cfg.num_epochs * self.steps_per_epoch
+
+    def _build_optimizer(self) -> None:
+        """AdamW, its LR schedule, and the precision (autocast dtype, a GradScaler for fp16)."""
+        cfg, env = self.cfg, self.env
         self.optimizer = build_optimizer(self.raw_model, cfg.learning_rate, cfg.weight_decay, env.device)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, self.total_steps, cfg.warmup_steps, cfg.lr_schedule,
-                                                cfg.min_lr_ratio))
+        self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
         # what a resumed state's optimizer is set back to (read here: a state that fails half-way may change them)
         self.configured_rates = [(g["initial_lr"], g["weight_decay"]) for g in self.optimizer.param_groups]
         self.amp_dtype = amp_dtype_for(cfg, env.device)
         self.scaler = torch.amp.GradScaler("cuda") if self.amp_dtype == torch.float16 else None
-        self.memory = rt.MemoryManager(env.device, self.log, cfg.memory_check_interval,
-                                       cfg.cleanup_interval, cfg.max_memory_gb)
-        self.metrics_path = Path(cfg.log_dir) / "metrics.jsonl"
-        self._tb = None
-        self._bar = None
-        self.in_train = False
-        self.ckpt_dir = Path(cfg.checkpoint_dir)
-        self.writer = rt.CheckpointWriter(cfg.async_checkpoint, self.log, pin=pin)
-        self.mfu_per_unit = self._mfu_per_unit()
-        self.stepped = False  # this process completed a step (DDP has seen a whole backward)
-        self._metrics_file = None
-        self.state_step: Optional[int] = None  # the step of the newest resumable state this run saved
-
-        self.global_step = 0
-        self.epoch = 0
-        self.best_val = math.inf
-        self.patience_ref = math.inf  # the loss of the last improvement by more than min_delta
-        self.bad_validations = 0
-        self.consecutive_bad_steps = 0
-        self.skipped_steps = 0
-        self.last_val: Optional[float] = None
-        self.last_val_step = -1
-        self.stopped_early = False  # the last validation stopped the run
-        self.step_in_epoch = 0
-        self.epoch_data_errors = 0
-        self.local_errors: list = []
-        self.spare_batch = None
-        self.extra_names = None  # see _extra_names
-        self.micro_splits = 1
-        self.loader_rng = {"epoch_start": self.train_loader.generator.get_state(),
-                           "current": self.train_loader.generator.get_state()}
-        self.log.info("%d steps (%d per epoch), global batch %d = %d per rank x %d accum x %d ranks",
-                      self.total_steps, self.steps_per_epoch,
-                      cfg.batch_size * cfg.grad_accum_steps * env.world_size,
-                      cfg.batch_size, cfg.grad_accum_steps, env.world_size)
-        self.resumed_from = self._resume()  # last: it restores the RNG streams set-up consumed
 
     def _autocast(self):
         if self.amp_dtype is None:
@@ -1031,6 +1049,30 @@ class DDPTrainer:
         if self.set_train_mode:  # a walk of every module (~0.2 ms): at the first step and after evaluation only
             self.model.train()
             self.set_train_mode = False
+        tally, data_errors, fatal, oom = self._accumulate(micro_batches)
+        grads, raw_norm = self._gradients(tally)
+        g, names, raw_norm_value = self._agree(tally, raw_norm, data_errors, fatal, oom, stop_signal)
+        count = g["count"]
+        # the rate this step uses (read before the scheduler moves it on), whether it is taken or skipped
+        result = {"count": count, "loss": g["loss"] / max(count, 1.0), "stop": g["stop"] > 0,
+                  "lr": self.optimizer.param_groups[0]["lr"], "write_failed": g["write_failed"] > 0,
+                  "extras": {n: v / max(count, 1.0) for n, v in zip(names, g["extras"])}}
+        scaler_overflow = self.scaler is not None and g["bad_grads"] > 0  # with a GradScaler, its normal business
+        nonfinite = (g["nonfinite"] > 0 or (g["bad_grads"] > 0 and self.scaler is None)) and not g["oom"]
+        if g["oom"] or nonfinite or count == 0 or scaler_overflow:
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.scaler:
+                self.scaler.update()
+            result.update(skipped=True, nonfinite=nonfinite, grad_norm=float("nan"), retry=bool(g["oom"]))
+            if g["nonfinite"] > 0:  # the tally left the non-finite losses out: what it holds is no measurement
+                result["loss"], result["extras"] = float("nan"), dict.fromkeys(names, float("nan"))
+            return result
+        result.update(skipped=False, nonfinite=False, grad_norm=self._apply_update(grads, raw_norm_value, count))
+        return result
+
+    def _accumulate(self, micro_batches: list) -> tuple:
+        """Forward and backward of every micro-batch into a StepTally; (tally, data errors, this rank's
+        fatal error or None, out of memory). A failed micro-batch is replayed from a spare with weight zero."""
         tally = StepTally(self.env.device)
         data_errors, fatal, oom = 0, None, False
         for k, batch in enumerate(micro_batches):
@@ -1067,8 +1109,11 @@ class DDPTrainer:
                     tally.add(*self._forward_backward(self._tiny_spare(fatal or "out of memory"), last, 0.0))
                 except Exception as replay_exc:  # e.g. DDP had reduced part of a backward that died half-way
                     raise self._abandoned(fatal, replay_exc) from replay_exc
-        unused = self._unused_parameters()
+        return tally, data_errors, fatal, oom
 
+    def _gradients(self, tally: "StepTally") -> tuple:
+        """This rank's gradients (unscaled) and their norm, not yet read on the host; whether it is finite
+        goes into the tally, so that every rank learns it."""
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         # each .grad read is a trip into C++: read them once (the same tensors until zero_grad)
@@ -1078,6 +1123,18 @@ class DDPTrainer:
         # agreed through the all-reduce, not read from each rank's norm: gradients DDP does not average
         # (parameters it ignores) may differ between ranks
         tally.bad_grads = (~torch.isfinite(raw_norm)).double()
+        return grads, raw_norm
+
+    # the step's agreement, in the order StepTally.packed lays it out; the extras follow
+    AGREED = ("count", "loss", "nonfinite", "bad_grads", "stop", "data_errors", "fatal", "unused", "oom",
+              "write_failed")
+
+    def _agree(self, tally: "StepTally", raw_norm: torch.Tensor, data_errors: int, fatal: Optional[str],
+               oom: bool, stop_signal: rt.StopSignal) -> tuple:
+        """The step's one all-reduce: every rank's counts, flags and extras, summed. A failure on any rank
+        raises on every rank here. Returns (the sums by AGREED name and `extras`, the extras' names, this
+        rank's gradient norm), read on the host together."""
+        unused = self._unused_parameters()
         names = self._extra_names(tally.names)
         if tally.names != names and fatal is None:  # the all-reduce below packs `names`, the same on every rank
             fatal = (f"loss_fn returned the extras {tally.names} at step {self.global_step + 1}, but {names} at "
@@ -1087,30 +1144,19 @@ class DDPTrainer:
         reduced = rt.all_reduce_tensor(tally.packed(flags, names), on_device=True)
         # the agreement and the norm come back together: with NCCL the step's one host sync (a GradScaler adds its own)
         *reduced, raw_norm_value = torch.cat([reduced, raw_norm.reshape(1).to(reduced.device)]).tolist()
-        (g_count, g_loss, g_nonfinite, g_bad_grads, g_stop, g_data_errors, g_fatal, g_unused, g_oom,
-         g_write_failed) = reduced[:10]
-        if g_fatal or g_unused:
+        g = dict(zip(self.AGREED, reduced), extras=reduced[len(self.AGREED):])
+        if g["fatal"] or g["unused"]:
             self._raise_collectively(fatal or (f"parameters without gradients: {', '.join(unused)}"
-                                               if unused else None), save=bool(g_fatal))
-        if g_data_errors:
-            self._count_data_errors(int(g_data_errors))
-        # the rate this step uses (read before the scheduler moves it on), whether it is taken or skipped
-        result = {"count": g_count, "loss": g_loss / max(g_count, 1.0), "stop": g_stop > 0,
-                  "lr": self.optimizer.param_groups[0]["lr"], "write_failed": g_write_failed > 0,
-                  "extras": {n: v / max(g_count, 1.0) for n, v in zip(names, reduced[10:])}}
+                                               if unused else None), save=bool(g["fatal"]))
+        if g["data_errors"]:
+            self._count_data_errors(int(g["data_errors"]))
+        return g, names, raw_norm_value
 
-        scaler_overflow = self.scaler is not None and g_bad_grads > 0  # with a GradScaler, its normal business
-        nonfinite = (g_nonfinite > 0 or (g_bad_grads > 0 and self.scaler is None)) and not g_oom
-        if g_oom or nonfinite or g_count == 0 or scaler_overflow:
-            self.optimizer.zero_grad(set_to_none=True)
-            if self.scaler:
-                self.scaler.update()
-            result.update(skipped=True, nonfinite=nonfinite, grad_norm=float("nan"), retry=bool(g_oom))
-            if g_nonfinite > 0:  # the tally left the non-finite losses out: what it holds is no measurement
-                result["loss"], result["extras"] = float("nan"), dict.fromkeys(names, float("nan"))
-            return result
+    def _apply_update(self, grads: list, raw_norm_value: float, count: float) -> float:
+        """Scale the averaged gradients to the global mean and clip them; step. Returns the norm before
+        clipping."""
         # DDP averaged the per-rank sums: grad = (1/W) sum S / B. Make it sum S / N.
-        factor = self.env.world_size * self.cfg.batch_size / g_count
+        factor = self.env.world_size * self.cfg.batch_size / count
         norm = raw_norm_value * factor
         # clip * (1 / x), not clip / x: the rounding of the runs and states made before this code (bit-identical)
         coef = factor * (min(self.cfg.grad_clip * (1.0 / (norm + 1e-6)), 1.0) if self.cfg.grad_clip > 0 else 1.0)
@@ -1122,8 +1168,7 @@ class DDPTrainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        result.update(skipped=False, nonfinite=False, grad_norm=norm)
-        return result
+        return norm
 
     def _tiny_spare(self, why: str):
         """One sample of the spare batch: enough to complete this rank's collectives with
@@ -1342,9 +1387,13 @@ class DDPTrainer:
         ds = self.train_dataset
         return len(ds) if hasattr(ds, "__len__") else -1
 
-    STATE_COUNTERS = ("global_step", "epoch", "step_in_epoch", "best_val", "patience_ref", "bad_validations",
-                      "epoch_data_errors",
-                      "consecutive_bad_steps", "skipped_steps", "last_val", "last_val_step", "stopped_early")
+    # What a resumable state holds of the loop's progress, as a fresh run starts it
+    FRESH_COUNTERS = {"global_step": 0, "epoch": 0, "step_in_epoch": 0,
+                      "best_val": math.inf, "patience_ref": math.inf,  # patience: the last improvement by min_delta
+                      "bad_validations": 0, "epoch_data_errors": 0, "consecutive_bad_steps": 0, "skipped_steps": 0,
+                      "last_val": None, "last_val_step": -1,
+                      "stopped_early": False}  # the last validation stopped the run
+    STATE_COUNTERS = tuple(FRESH_COUNTERS)
 
     def _resume(self) -> Optional[Path]:
         """Load the state `resume` points at (auto: the newest one that loads). Every rank must
@@ -1548,7 +1597,7 @@ class DDPTrainer:
         self.in_train = True  # evaluate() keeps the loader workers for the next validation
         own_signal = stop_signal is None
         stop_signal = (stop_signal or rt.StopSignal()).install(rt.StopSignal.SIGNALS)
-        (Path(self.cfg.log_dir) / f"FAILED_rank_{self.env.rank}").unlink(missing_ok=True)  # a previous run's
+        rt.clear_failure_marker(self.cfg.log_dir, self.env.rank)
         clean = False
         try:
             finished = self._finished_run()
@@ -1627,18 +1676,15 @@ class DDPTrainer:
         return {**summary, "already_complete": True}
 
     def _write_completed_marker(self, summary: dict) -> None:
-        path = Path(self.cfg.log_dir) / COMPLETED_MARKER
-        tmp = path.with_name(f".{path.name}.tmp")
         record = {"total_steps": self.total_steps, "stop": self._stop_rule(), "summary": summary}
-        tmp.write_text(json_line(record) + "\n")
-        os.replace(tmp, path)
+        rt.atomic_write_text(Path(self.cfg.log_dir) / COMPLETED_MARKER, json_line(record) + "\n")
 
     def _prepare_run_dir(self) -> None:
         """Rank 0: the run dir, its resolved config and metrics file, before the first step."""
         Path(self.cfg.log_dir).mkdir(parents=True, exist_ok=True)
         (Path(self.cfg.log_dir) / rt.PREEMPTED_MARKER).unlink(missing_ok=True)
         (Path(self.cfg.log_dir) / COMPLETED_MARKER).unlink(missing_ok=True)  # until this run finishes
-        self._truncate_metrics()
+        self._start_metrics_file()
         self._set_aside_old_states()
         self._write_resolved_config()
         self._link_checkpoints()
@@ -1648,108 +1694,145 @@ class DDPTrainer:
         self._metrics_file = open(self.metrics_path, "a")
 
     def _loop(self, stop_signal: rt.StopSignal) -> str:
-        cfg = self.cfg
         self.t0 = time.time()
         self.samples_seen = 0
-        global_batch = self._global_batch()
-        window_t, window_steps = time.time(), 0
-        gen = self.train_loader.generator
-        bar = self._bar = self._progress_bar()
+        self._bar = self._progress_bar()
+        self._log_window = (time.time(), 0)  # since the last periodic log line: (start, steps)
         # the run stopped early here, and this run's patience/target_loss still say so (else it trains on)
         if self.resumed_from is not None and self.stopped_early and self._early_stop():
             return "early_stopped"
         while self.global_step < self.total_steps:
-            start = self.step_in_epoch
-            # Re-create the epoch's batch order exactly: same permutation, same loader seed,
-            # skipping what this epoch already consumed.
-            gen.set_state(self.loader_rng["epoch_start" if start else "current"])
-            self.loader_rng["epoch_start"] = gen.get_state()
-            self.train_loader.sampler.set_epoch(self.epoch)
-            self.train_loader.sampler.set_start_index(start * cfg.batch_size * cfg.grad_accum_steps)
-            batches = iter(self.train_loader)
-            self.loader_rng["current"] = gen.get_state()
-            epoch_done = True
-            for i in range(start, self.steps_per_epoch):
-                try:
-                    micro = [next_batch(batches) for _ in range(cfg.grad_accum_steps)]
-                except StopIteration:  # a stream ran dry; dispatch tells every rank at once
-                    break
-                except rt.CollectiveFailed as exc:  # dispatch: rank 0 is gone or stuck
-                    self._save_weights_here()
-                    raise self._explain_failure(exc) from exc
-                step_t = time.time()
-                first = not self.stepped
-                try:
-                    micro = self._split_micro_batches(micro, self.micro_splits)
-                    r = self._train_step(micro, stop_signal)
-                    while r.get("retry"):  # out of memory somewhere: all ranks halve their micro-batches
-                        self.micro_splits *= 2
-                        self.log.warning("out of memory on some rank: retrying step %d with micro-batches split "
-                                         "%d ways (gradient accumulation x%d)", self.global_step + 1,
-                                         self.micro_splits, self.micro_splits)
-                        micro = self._split_micro_batches(micro, 2)
-                        r = self._train_step(micro, stop_signal)
-                    self.stepped = True
-                except StepFailed:
-                    raise
-                except StepAbandoned as exc:  # the marker first: the others wait for it while the weights are saved
-                    rt.write_failure_marker(self.cfg.log_dir, self.env.rank, self.global_step + 1, exc)
-                    self._save_weights_here()
-                    raise
-                except Exception as exc:
-                    if is_collective_error(exc):  # a peer died or hung: say which and where, then fail
-                        self._save_weights_here()
-                        raise self._explain_failure(exc) from exc
-                    # this rank's own error past the step's agreement (in optimizer.step, say): the marker names it
-                    # to the others, who meet it at their next collective; these weights may be half-updated
-                    rt.write_failure_marker(self.cfg.log_dir, self.env.rank, self.global_step + 1, exc)
-                    raise
-                if first and cfg.first_step_timeout > cfg.dist_timeout:  # also the first step after a resume
-                    rt.set_collective_timeout(cfg.dist_timeout)
-                self.global_step += 1
-                self.step_in_epoch = i + 1
-                self.samples_seen += global_batch
-                window_steps += 1
-                self._after_step(r, time.time() - step_t, global_batch)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(epoch=self.epoch, loss=f"{r['loss']:.4f}",
-                                    lr=f"{r['lr']:.2e}",
-                                    samples_s=f"{global_batch / (time.time() - step_t):.0f}", refresh=False)
-                if self.global_step % cfg.log_interval == 0 or self.global_step == 1:
-                    rate = window_steps * global_batch / (time.time() - window_t)
-                    self.log.info("epoch %d step %d/%d loss %.5f lr %.2e grad_norm %.3f %.0f samples/s",
-                                  self.epoch, self.global_step, self.total_steps, r["loss"],
-                                  r["lr"], r["grad_norm"], rate, extra={"periodic": True})
-                    window_t, window_steps = time.time(), 0
-                # The step's boundary work comes before a stop, so a resumed run repeats none of it.
-                early = bool(cfg.val_interval) and self.global_step % cfg.val_interval == 0 and self._validate()
-                if cfg.save_every_iters and self.global_step % cfg.save_every_iters == 0:
-                    self.save_checkpoint(f"step_{self.global_step}")
-                    self.save_state()
-                if r["write_failed"] or self.writer.retry_pending:
-                    self._save_again_after_a_failed_write()
-                if early:
-                    return "early_stopped"
-                if r["stop"]:
-                    return self._interrupt(stop_signal)
-                if self.global_step >= self.total_steps and i < self.steps_per_epoch - 1:
-                    epoch_done = False
-                    break
-            if epoch_done and self.step_in_epoch == 0:
-                raise ValueError(f"the training data yielded no full step in epoch {self.epoch}")
-            if epoch_done:
-                self.epoch += 1
-                self.epoch_data_errors = 0
-                self.step_in_epoch = 0
-                if not cfg.val_interval and self._validate():
-                    return "early_stopped"
-                if cfg.save_interval and self.epoch % cfg.save_interval == 0:
-                    self.save_checkpoint(f"epoch_{self.epoch}")
-                    self.save_state()
+            status, epoch_done = self._epoch(stop_signal)
+            if status is None and epoch_done:
+                status = self._end_epoch()
+            if status is not None:
+                return status
         if self.last_val_step != self.global_step and self._validate():
             return "early_stopped"
         return "completed"
+
+    def _epoch(self, stop_signal: rt.StopSignal) -> tuple:
+        """The steps of this epoch from step_in_epoch on: (a status that ends the run, or None; whether the
+        epoch ran to its end)."""
+        cfg = self.cfg
+        global_batch = self._global_batch()
+        batches = self._epoch_batches()
+        for i in range(self.step_in_epoch, self.steps_per_epoch):
+            try:
+                micro = [next_batch(batches) for _ in range(cfg.grad_accum_steps)]
+            except StopIteration:  # a stream ran dry; dispatch tells every rank at once
+                break
+            except rt.CollectiveFailed as exc:  # dispatch: rank 0 is gone or stuck
+                self._save_weights_here()
+                raise self._explain_failure(exc) from exc
+            step_t = time.time()
+            r = self._step(micro, stop_signal)
+            self.global_step += 1
+            self.step_in_epoch = i + 1
+            self.samples_seen += global_batch
+            self._after_step(r, time.time() - step_t, global_batch)
+            self._report(r, step_t, global_batch)
+            status = self._step_boundary(r, stop_signal)
+            if status is not None:
+                return status, False
+            if self.global_step >= self.total_steps and i < self.steps_per_epoch - 1:
+                return None, False
+        if self.step_in_epoch == 0:
+            raise ValueError(f"the training data yielded no full step in epoch {self.epoch}")
+        return None, True
+
+    def _epoch_batches(self):
+        """An iterator over this epoch's batches from step_in_epoch on. The epoch's batch order is re-created
+        exactly: same permutation, same loader seed, skipping what this epoch already consumed."""
+        cfg, gen = self.cfg, self.train_loader.generator
+        start = self.step_in_epoch
+        gen.set_state(self.loader_rng["epoch_start" if start else "current"])
+        self.loader_rng["epoch_start"] = gen.get_state()
+        self.train_loader.sampler.set_epoch(self.epoch)
+        self.train_loader.sampler.set_start_index(start * cfg.batch_size * cfg.grad_accum_steps)
+        batches = iter(self.train_loader)
+        self.loader_rng["current"] = gen.get_state()
+        return batches
+
+    def _step(self, micro: list, stop_signal: rt.StopSignal) -> dict:
+        """One optimizer step, retried by every rank with smaller micro-batches after an out-of-memory error
+        on any; a failure leaves what its kind calls for (a marker, the weights) and raises."""
+        cfg = self.cfg
+        first = not self.stepped
+        try:
+            micro = self._split_micro_batches(micro, self.micro_splits)
+            r = self._train_step(micro, stop_signal)
+            while r.get("retry"):  # out of memory somewhere: all ranks halve their micro-batches
+                self.micro_splits *= 2
+                self.log.warning("out of memory on some rank: retrying step %d with micro-batches split "
+                                 "%d ways (gradient accumulation x%d)", self.global_step + 1,
+                                 self.micro_splits, self.micro_splits)
+                micro = self._split_micro_batches(micro, 2)
+                r = self._train_step(micro, stop_signal)
+            self.stepped = True
+        except StepFailed:
+            raise
+        except StepAbandoned as exc:  # the marker first: the others wait for it while the weights are saved
+            rt.write_failure_marker(cfg.log_dir, self.env.rank, self.global_step + 1, exc)
+            self._save_weights_here()
+            raise
+        except Exception as exc:
+            if is_collective_error(exc):  # a peer died or hung: say which and where, then fail
+                self._save_weights_here()
+                raise self._explain_failure(exc) from exc
+            # this rank's own error past the step's agreement (in optimizer.step, say): the marker names it
+            # to the others, who meet it at their next collective; these weights may be half-updated
+            rt.write_failure_marker(cfg.log_dir, self.env.rank, self.global_step + 1, exc)
+            raise
+        if first and cfg.first_step_timeout > cfg.dist_timeout:  # also the first step after a resume
+            rt.set_collective_timeout(cfg.dist_timeout)
+        return r
+
+    def _report(self, r: dict, step_t: float, global_batch: int) -> None:
+        """The progress bar, and every log_interval steps a log line with the rate since the last one."""
+        bar = self._bar
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(epoch=self.epoch, loss=f"{r['loss']:.4f}", lr=f"{r['lr']:.2e}",
+                            samples_s=f"{global_batch / (time.time() - step_t):.0f}", refresh=False)
+        window_t, window_steps = self._log_window
+        window_steps += 1
+        if self.global_step % self.cfg.log_interval == 0 or self.global_step == 1:
+            rate = window_steps * global_batch / (time.time() - window_t)
+            self.log.info("epoch %d step %d/%d loss %.5f lr %.2e grad_norm %.3f %.0f samples/s",
+                          self.epoch, self.global_step, self.total_steps, r["loss"],
+                          r["lr"], r["grad_norm"], rate, extra={"periodic": True})
+            window_t, window_steps = time.time(), 0
+        self._log_window = (window_t, window_steps)
+
+    def _step_boundary(self, r: dict, stop_signal: rt.StopSignal) -> Optional[str]:
+        """Validation and saves due at this step, then a stop if one is agreed; the status that ends the
+        run, or None. The boundary work comes before a stop, so a resumed run repeats none of it."""
+        cfg = self.cfg
+        early = bool(cfg.val_interval) and self.global_step % cfg.val_interval == 0 and self._validate()
+        if cfg.save_every_iters and self.global_step % cfg.save_every_iters == 0:
+            self.save_checkpoint(f"step_{self.global_step}")
+            self.save_state()
+        if r["write_failed"] or self.writer.retry_pending:
+            self._save_again_after_a_failed_write()
+        if early:
+            return "early_stopped"
+        if r["stop"]:
+            return self._interrupt(stop_signal)
+        return None
+
+    def _end_epoch(self) -> Optional[str]:
+        """An epoch ran to its end: per-epoch validation and checkpoint; "early_stopped" or None."""
+        cfg = self.cfg
+        self.epoch += 1
+        self.epoch_data_errors = 0
+        self.step_in_epoch = 0
+        if not cfg.val_interval and self._validate():
+            return "early_stopped"
+        if cfg.save_interval and self.epoch % cfg.save_interval == 0:
+            self.save_checkpoint(f"epoch_{self.epoch}")
+            self.save_state()
+        return None
 
     def _progress_bar(self):
         """tqdm on rank 0 when stdout is a terminal: it replaces the periodic step lines on the console
@@ -1856,8 +1939,9 @@ class DDPTrainer:
         self.log.warning("moved %d resumable state(s) past step %d (not this run's) to %s", len(old),
                          self.global_step, aside)
 
-    def _truncate_metrics(self) -> None:
-        """A resumed run continues the same curves: drop records past the resume step."""
+    def _start_metrics_file(self) -> None:
+        """A fresh run moves old curves aside (metrics.<time>.jsonl); a resumed run continues the same
+        curves, without the records past its resume step."""
         if not self.metrics_path.exists():
             return
         if self.resumed_from is None:  # a fresh run: keep the old curves, start a new file
@@ -1876,9 +1960,7 @@ class DDPTrainer:
                 continue  # a line cut short by the crash that made us resume
             if rec.get("type") != "summary" and rec.get("step", 0) <= self.global_step and not self._redone(rec):
                 kept.append(line)
-        tmp = self.metrics_path.with_suffix(".tmp")
-        tmp.write_text("".join(k + "\n" for k in kept))
-        os.replace(tmp, self.metrics_path)
+        rt.atomic_write_text(self.metrics_path, "".join(k + "\n" for k in kept))
 
     def _redone(self, rec: dict) -> bool:
         """A validation at the resume step that the state predates (an epoch's closing validation comes

@@ -1,4 +1,4 @@
-"""Run a function on N real gloo processes (spawned, free port, bounded timeout)."""
+"""Run a function on N real gloo processes (forked from a preloaded server, free port, bounded timeout)."""
 
 import multiprocessing as mp
 import os
@@ -20,8 +20,20 @@ def free_ports(n: int) -> list:
             s.close()
 
 
-def _entry(fn, rank, world_size, port, queue, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+# Ranks are forked from a server that imported torch and the kit once, instead of spawned: a spawned
+# process imports torch again (about 2 s each on a 2-core machine, most of a short test). The server
+# starts fresh and runs no threads, so a fork of it is as clean as a spawn; each rank is given the test's
+# environment (a forked rank would otherwise have the server's, from when it started).
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "numpy", "ddp_runtime", "ddp_training", "conftest"])
+
+
+def _entry(fn, rank, world_size, port, queue, args, env):
+    # A rank's own children (DataLoader workers) are spawned by it, as under torch.multiprocessing spawn;
+    # a forkserver child would otherwise start them from the server, and never see them die (SIGCHLD)
+    mp.set_start_method("spawn", force=True)
+    os.environ.clear()
+    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         os.environ.pop(var, None)
     try:
@@ -32,10 +44,11 @@ def _entry(fn, rank, world_size, port, queue, args):
 
 def spawn(fn, world_size: int = 2, *args, timeout: float = 90.0) -> list:
     """Results of fn(rank, world_size, *args) per rank; raises if any rank fails or hangs."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    queue = _CTX.Queue()
     port = free_ports(1)[0]
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, queue, args)) for r in range(world_size)]
+    env = dict(os.environ)
+    procs = [_CTX.Process(target=_entry, args=(fn, r, world_size, port, queue, args, env))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     results = {}

@@ -409,7 +409,7 @@ with rt.StopSignal(rt.StopSignal.PREEMPT_SIGNALS):
         print("in set-up", flush=True)
         time.sleep({set_up_s})
     print("set-up done", flush=True)
-    time.sleep(3)  # past the grace: a finished set-up is never ended by the watch
+    time.sleep(2)  # past the grace: a finished set-up is never ended by the watch
 """
 
 
