@@ -20,6 +20,7 @@ import random
 import re
 import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -905,12 +906,15 @@ class SetUpWatch:
       trained in this process yet, so nothing is lost: relaunching resumes from the last state on disk."""
 
     def __init__(self, names: tuple = StopSignal.PREEMPT_SIGNALS, grace_s: Optional[float] = None,
-                 log_dir: Optional[str | os.PathLike] = None):
+                 log_dir: Optional[str | os.PathLike] = None, received: Optional[int] = None):
         self.signums = {getattr(signal, n) for n in names if hasattr(signal, n)}
         self.grace_s = setup_stop_grace_s() if grace_s is None else grace_s
         self.log_dir = log_dir
+        self.received = received  # a stop that came before the watch (its grace starts at the watch)
         self._previous_fd = None
         self._done = False
+        # set-up finishing and the watcher giving up exclude each other: never both
+        self._ending = threading.Lock()
 
     def __enter__(self) -> "SetUpWatch":
         self._read, self._write = os.pipe()
@@ -929,10 +933,12 @@ class SetUpWatch:
     REPEAT_AFTER_S = 0.5
 
     def _watch(self) -> None:
-        first, first_signum = None, None
+        first, first_signum = (None, None) if self.received is None else (time.monotonic(), self.received)
+        poller = select.poll()  # not select(): it fails on a descriptor above 1023
+        poller.register(self._read, select.POLLIN)
         while True:
             wait = None if first is None else max(0.0, first + self.grace_s - time.monotonic())
-            if not select.select([self._read], [], [], wait)[0]:
+            if not poller.poll(None if wait is None else wait * 1000):
                 return self._give_up(first_signum)
             data = os.read(self._read, 64)
             if not data:
@@ -947,7 +953,9 @@ class SetUpWatch:
                     os._exit(128 + signum)
 
     def _give_up(self, signum: int) -> None:
+        self._ending.acquire()  # held until the process is gone
         if self._done:  # set-up finished just now: the trainer stops at its first step
+            self._ending.release()
             return
         name = signal.Signals(signum).name
         where = ""
@@ -964,7 +972,8 @@ class SetUpWatch:
     def __exit__(self, *exc) -> None:
         if self._previous_fd is None:
             return
-        self._done = True
+        with self._ending:
+            self._done = True
         signal.set_wakeup_fd(self._previous_fd)
         os.close(self._write)  # the watcher reads end-of-file and returns
         self._thread.join()
@@ -1025,7 +1034,7 @@ class _HashingWriter:
 def _atomic_write(path: Path, write, before_replace=None) -> str:
     """Temp file in the same directory, fsync, `before_replace()`, rename, fsync the directory;
     returns the SHA-256 of what was written."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")  # ranks may share a file system
     try:
         with open(tmp, "wb") as f:
             out = _HashingWriter(f)
@@ -1095,7 +1104,7 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu", verify: bool = 
 
 
 def remove_stale_temp_files(directory: str | os.PathLike, prefix: str) -> list:
-    """Delete the temp files (`.<prefix>_*.<pid>.tmp`) that a writer killed mid-write left behind; call
+    """Delete the temp files (`.<prefix>_*.<host>.<pid>.tmp`) that a writer killed mid-write left behind; call
     before this run writes anything there."""
     stale = sorted(Path(directory).glob(f".{prefix}_*.tmp"))
     for p in stale:

@@ -31,6 +31,7 @@ import time
 import traceback
 import typing
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -2123,7 +2124,7 @@ def train_preemptible(build: Callable[[], "DDPTrainer"], log_dir, requested=None
     with rt.StopSignal(rt.StopSignal.PREEMPT_SIGNALS) as stop_signal:
         if requested is not None and requested.value and stop_signal.received is None:
             stop_signal.received = requested.value
-        with rt.SetUpWatch(log_dir=log_dir):
+        with rt.SetUpWatch(log_dir=log_dir, received=stop_signal.received):
             trainer = build()
         summary = trainer.train(stop_signal)
     return rt.EXIT_PREEMPTED if summary["status"] == "interrupted" else 0
@@ -2133,14 +2134,15 @@ def _train_and_exit_code(rank: int, world_size: int, cfg: dict, local_rank: Opti
                          requested=None) -> int:
     """Train; the exit status: 0, EXIT_PREEMPTED, or EXIT_BAD_INPUT for a set-up error (bad input), which
     rank 0 prints as one line."""
-    def build():
+    def bad_input(fn, *args, **kwargs):  # not around train(): a ValueError there is a failure with its traceback
         try:
-            return DDPTrainer(rank=rank, world_size=world_size, local_rank=local_rank, config=cfg)
-        except SETUP_ERRORS as exc:  # not around train(): a ValueError there is a failure with its traceback
+            return fn(*args, **kwargs)
+        except SETUP_ERRORS as exc:
             raise BadInput(f"{type(exc).__name__}: {exc}") from exc
 
+    build = partial(bad_input, DDPTrainer, rank=rank, world_size=world_size, local_rank=local_rank, config=cfg)
     try:
-        return train_preemptible(build, TrainConfig.from_dict(cfg).log_dir, requested)
+        return train_preemptible(build, bad_input(TrainConfig.from_dict, cfg).log_dir, requested)
     except BadInput as exc:
         if rank == 0:
             print(f"error: {exc}", file=sys.stderr)

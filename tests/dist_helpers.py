@@ -6,6 +6,7 @@ import queue as queue_module
 import socket
 import time
 import traceback
+from pathlib import Path
 
 
 def free_ports(n: int) -> list:
@@ -25,7 +26,19 @@ def free_ports(n: int) -> list:
 # starts fresh and runs no threads, so a fork of it is as clean as a spawn; each rank is given the test's
 # environment (a forked rank would otherwise have the server's, from when it started).
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "numpy", "ddp_runtime", "ddp_training", "conftest"])
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "numpy", "pytest", "ddp_runtime", "ddp_training"])
+
+
+def _start_server() -> None:
+    """Python 3.11's server imports its preload from its working directory (it ignores sys.path): start it
+    in the repository, whatever directory the first test that spawns has moved to."""
+    from multiprocessing import forkserver
+    here = os.getcwd()
+    os.chdir(Path(__file__).resolve().parents[1])
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.chdir(here)
 
 
 def _entry(fn, rank, world_size, port, queue, args, env):
@@ -44,6 +57,7 @@ def _entry(fn, rank, world_size, port, queue, args, env):
 
 def spawn(fn, world_size: int = 2, *args, timeout: float = 90.0) -> list:
     """Results of fn(rank, world_size, *args) per rank; raises if any rank fails or hangs."""
+    _start_server()
     queue = _CTX.Queue()
     port = free_ports(1)[0]
     env = dict(os.environ)

@@ -437,6 +437,18 @@ def test_set_up_still_running_past_the_grace_after_a_stop_exits_75_with_the_mark
     assert marker == {"step": None, "signal": "SIGTERM", "stopped_during": "set-up"}
 
 
+def test_a_stop_received_before_the_watch_starts_its_grace(tmp_path):
+    """A stop that came before the watch (spawn_local passed it on, or it fell between the handler and
+    the watch) starts the grace when the watch starts: no further signal is needed."""
+    code = (f"import signal, sys, time; sys.path.insert(0, {str(REPO)!r}); import ddp_runtime as rt\n"
+            f"with rt.SetUpWatch(grace_s=1, log_dir={str(tmp_path)!r}, received=signal.SIGUSR1):\n"
+            f"    time.sleep(60)\n")
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert r.returncode == rt.EXIT_PREEMPTED and time.monotonic() - t0 < 20, r.stderr
+    assert json.loads((tmp_path / "PREEMPTED").read_text())["signal"] == "SIGUSR1"
+
+
 def test_the_set_up_grace_comes_from_the_environment_and_a_bad_value_names_it(monkeypatch):
     monkeypatch.delenv("SETUP_STOP_GRACE_S", raising=False)
     assert rt.SetUpWatch().grace_s == rt.SETUP_STOP_GRACE_S == 20
