@@ -17,9 +17,9 @@ import functools
 import gc
 import io
 import json
+import math
 import os
 import shutil
-import math
 import statistics
 import subprocess
 import sys
@@ -163,7 +163,6 @@ def markdown(headers, rows):
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
-
 
 
 def steady_rate(times, warmup):

@@ -688,8 +688,10 @@ class StepTally:
     def names(self) -> list:
         return sorted(self.extras)
 
+    FIELDS = ("count", "loss", "nonfinite", "bad_grads")  # what packed() lays out first, under these names
+
     def packed(self, flags: list, names: list) -> torch.Tensor:
-        """[count, loss_sum, nonfinite, bad_grads, *flags, *extras in the order of `names`] (a missing one as 0)"""
+        """[*FIELDS (count, loss_sum, ...), *flags, *extras in the order of `names`] (a missing one as 0)"""
         dev = self.count.device  # from pinned memory the copy is queued, not waited for
         flags = torch.tensor(flags, dtype=torch.float64, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
         extras = [self.extras.get(n, self.count * 0) for n in names]
@@ -1126,26 +1128,23 @@ class DDPTrainer:
         tally.bad_grads = (~torch.isfinite(raw_norm)).double()
         return grads, raw_norm
 
-    # the step's agreement, in the order StepTally.packed lays it out; the extras follow
-    AGREED = ("count", "loss", "nonfinite", "bad_grads", "stop", "data_errors", "fatal", "unused", "oom",
-              "write_failed")
-
     def _agree(self, tally: "StepTally", raw_norm: torch.Tensor, data_errors: int, fatal: Optional[str],
                oom: bool, stop_signal: rt.StopSignal) -> tuple:
         """The step's one all-reduce: every rank's counts, flags and extras, summed. A failure on any rank
-        raises on every rank here. Returns (the sums by AGREED name and `extras`, the extras' names, this
-        rank's gradient norm), read on the host together."""
+        raises on every rank here. Returns (the sums by name, StepTally.FIELDS and the flags', with `extras`;
+        the extras' names; this rank's gradient norm), read on the host together."""
         unused = self._unused_parameters()
         names = self._extra_names(tally.names)
         if tally.names != names and fatal is None:  # the all-reduce below packs `names`, the same on every rank
             fatal = (f"loss_fn returned the extras {tally.names} at step {self.global_step + 1}, but {names} at "
                      f"the first step; every rank and step must return the same names")
-        flags = [stop_signal.received is not None, data_errors, fatal is not None, bool(unused), oom,
-                 self.writer.failed()]
-        reduced = rt.all_reduce_tensor(tally.packed(flags, names), on_device=True)
+        flags = {"stop": stop_signal.received is not None, "data_errors": data_errors, "fatal": fatal is not None,
+                 "unused": bool(unused), "oom": oom, "write_failed": self.writer.failed()}
+        reduced = rt.all_reduce_tensor(tally.packed(list(flags.values()), names), on_device=True)
         # the agreement and the norm come back together: with NCCL the step's one host sync (a GradScaler adds its own)
         *reduced, raw_norm_value = torch.cat([reduced, raw_norm.reshape(1).to(reduced.device)]).tolist()
-        g = dict(zip(self.AGREED, reduced), extras=reduced[len(self.AGREED):])
+        keys = (*StepTally.FIELDS, *flags)
+        g = dict(zip(keys, reduced), extras=reduced[len(keys):])
         if g["fatal"] or g["unused"]:
             self._raise_collectively(fatal or (f"parameters without gradients: {', '.join(unused)}"
                                                if unused else None), save=bool(g["fatal"]))
@@ -2188,7 +2187,7 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker) -> int:
             if p.is_alive():
                 os.kill(p.pid, signum)
     # before the start: a signal in between would kill this process and leave the ranks unattended
-    previous = {sig: signal.signal(sig, forward) for sig in map(signal.Signals.__getitem__, rt.StopSignal.SIGNALS)}
+    previous = {sig: signal.signal(sig, forward) for sig in (getattr(signal, n) for n in rt.StopSignal.SIGNALS)}
     try:
         context = mp.start_processes(worker, args=(nproc, cfg, requested), nprocs=nproc, join=False,
                                      start_method="spawn")
