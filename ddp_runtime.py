@@ -234,10 +234,15 @@ FAILED_PREFIX = "FAILED_rank_"
 
 def write_failure_marker(log_dir, rank: int, step: int, exc: BaseException) -> None:
     """`FAILED_rank_N` (JSON) in the run dir: the other ranks read it to report this rank's
-    error, and a requeue script tells a failure from a preemption."""
-    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    error, and a requeue script tells a failure from a preemption. Written while `exc` is being raised: if
+    the marker cannot be written (the full disk that caused `exc`), stderr says so and `exc` goes on."""
     record = {"rank": rank, "step": step, "error": f"{type(exc).__name__}: {exc}"}
-    (Path(log_dir) / f"{FAILED_PREFIX}{rank}").write_text(json.dumps(record) + "\n")
+    try:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        (Path(log_dir) / f"{FAILED_PREFIX}{rank}").write_text(json.dumps(record) + "\n")
+    except OSError as marker_exc:
+        print(f"[rank {rank}] could not write {FAILED_PREFIX}{rank} into {log_dir} ({marker_exc}); "
+              f"the other ranks will not see this rank's error: {record['error']}", file=sys.stderr, flush=True)
 
 
 def clear_failure_marker(log_dir, rank: int) -> None:
@@ -682,9 +687,9 @@ class BatchLoadError(RuntimeError):
     loader's iterator on that rank, so the trainer handles it like a bad sample under `shard`.
     `fatal`: rank 0's reader itself broke (a dead worker, a broken stream), not one sample."""
 
-    def __init__(self, text: str, fatal: bool = False):
+    def __init__(self, text: str, fatal: bool = False, counted: bool = True):
         super().__init__(text)
-        self.fatal = fatal
+        self.fatal, self.counted = fatal, counted
 
 
 class CollectiveFailed(RuntimeError):
@@ -692,10 +697,11 @@ class CollectiveFailed(RuntimeError):
 
 
 class _FailedSample:
-    """Stands in for a sample (or a rank's part) that raised while rank 0 read it."""
+    """Stands in for a sample (or a rank's part) that raised while rank 0 read it. Not `counted`: a part
+    that loaded but fails with another's (see _PartsCollate)."""
 
-    def __init__(self, text: str, fatal: bool = False):
-        self.text, self.fatal = text, fatal
+    def __init__(self, text: str, fatal: bool = False, counted: bool = True):
+        self.text, self.fatal, self.counted = text, fatal, counted
 
 
 class _TolerantDataset(Dataset):
@@ -717,13 +723,24 @@ class _TolerantDataset(Dataset):
 
 class _PartsCollate:
     """Collate a global batch as one batch per rank: samples r, r+W, ... for rank r, exactly the
-    samples (and the collate call) that the sharded sampler gives rank r."""
+    samples (and the collate call) that the sharded sampler gives rank r.
 
-    def __init__(self, collate_fn, parts: int):
-        self.collate_fn, self.parts = collate_fn, parts
+    `together` (a stream): a part that fails fails every part. A rank replays a batch it loaded before in
+    place of a failed one, and a stream cannot be read again by index for one; so that every rank has
+    such a batch from the same step on, or none has and all stop together, ranks load or fail alike."""
+
+    def __init__(self, collate_fn, parts: int, together: bool = False):
+        self.collate_fn, self.parts, self.together = collate_fn, parts, together
 
     def __call__(self, samples: list) -> list:
-        return [self._one(samples[r::self.parts]) for r in range(self.parts)]
+        parts = [self._one(samples[r::self.parts]) for r in range(self.parts)]
+        failed = [(r, p) for r, p in enumerate(parts) if isinstance(p, _FailedSample)]
+        if self.together and failed:
+            r, first = failed[0]
+            parts = [p if isinstance(p, _FailedSample) else
+                     _FailedSample(f"{first.text} (in rank {r}'s part; a stream's parts load or fail together)",
+                                   counted=False) for p in parts]
+        return parts
 
     def _one(self, samples: list):
         failed = next((s for s in samples if isinstance(s, _FailedSample)), None)
@@ -746,10 +763,11 @@ class DispatchLoader:
                  collate_fn=None, **loader_kwargs):
         self.dataset, self.rank, self.world_size = dataset, rank, world_size
         self.collate_fn = collate_fn or torch.utils.data.default_collate
-        parts = _PartsCollate(self.collate_fn, world_size)
+        stream = isinstance(dataset, torch.utils.data.IterableDataset)
+        parts = _PartsCollate(self.collate_fn, world_size, together=stream)
         self.reader = None
         if rank == 0:
-            if isinstance(dataset, torch.utils.data.IterableDataset):
+            if stream:
                 # drop_last as for training under shard: a short last global batch would leave a rank no samples
                 self.reader = DataLoader(dataset, batch_size=batch_size * world_size, collate_fn=parts,
                                          drop_last=True)
@@ -799,7 +817,7 @@ class _DispatchIterator:
             raise StopIteration
         if isinstance(mine, _FailedSample):
             raise BatchLoadError(f"{mine.text} (read by rank 0 for rank {self.loader.rank}, data_strategy dispatch)",
-                                 fatal=mine.fatal)
+                                 fatal=mine.fatal, counted=mine.counted)
         return mine
 
     def _read(self) -> list:
@@ -1088,12 +1106,15 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu", verify: bool = 
         raise CheckpointError(f"checkpoint {path} does not exist")
     sidecar = path.with_name(path.name + ".sha256")
     if verify and sidecar.exists():
-        text = sidecar.read_text(errors="replace")
+        try:  # a CheckpointError, like any unreadable state: the resume tries the one before it on every rank
+            text = sidecar.read_text(errors="replace")
+            actual = sha256_file(path)
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint {path}: cannot read it to check its SHA-256: {exc}") from exc
         expected = text.split()[0] if text.split() else ""
         if not re.fullmatch(r"[0-9a-f]{64}", expected):
             raise CheckpointError(f"checkpoint {path}: its sidecar {sidecar} holds no SHA-256 digest "
                                   f"({text[:80]!r}); delete the sidecar to load the checkpoint unchecked")
-        actual = sha256_file(path)
         if actual != expected:
             raise CheckpointError(f"checkpoint {path} fails its SHA-256 check "
                                   f"(expected {expected[:12]}…, got {actual[:12]}…): corrupt or truncated")
@@ -1132,7 +1153,7 @@ def host_snapshot(obj: Any, memo: Optional[dict] = None, pin: bool = False) -> A
     """A copy of `obj` (nested dicts, lists, tuples) whose tensors live in fresh host memory, so
     training can go on changing the originals while the copy is written. Tensors that are the same
     view of the same storage (tied weights) stay one tensor in the copy; pass one `memo` to share
-    them across several payloads. With `pin`, CUDA tensors are copied into page-locked memory
+    them across several payloads (it holds each source with its copy). With `pin`, CUDA tensors are copied into page-locked memory
     without waiting for each copy, then once for all of them: a pageable copy is staged by the
     driver and runs several times slower. PyTorch keeps freed page-locked blocks cached (each
     rounded up to a power of two) for the next save, so the first one pays for pinning and later
@@ -1145,11 +1166,13 @@ def host_snapshot(obj: Any, memo: Optional[dict] = None, pin: bool = False) -> A
                t.dtype)
         if key not in memo:
             if pin and t.is_cuda:
-                memo[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t.detach(), non_blocking=True)
+                held = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t.detach(), non_blocking=True)
                 devices.add(t.device)
             else:
-                memo[key] = t.detach().to("cpu", copy=True)
-        return memo[key]
+                held = t.detach().to("cpu", copy=True)
+            # the source too: freed (a fresh RNG state), its address could come back as another tensor's
+            memo[key] = (t, held)
+        return memo[key][1]
     try:
         return map_tensors(copy, obj)
     finally:  # the copies are queued after the kernels that wrote the tensors; none is left running
@@ -1214,9 +1237,11 @@ class CheckpointWriter:
     appear only complete (temp file, fsync, rename), so a crash mid-write leaves the previous ones.
     """
 
-    def __init__(self, background: bool = True, log: Optional[logging.Logger] = None, pin: bool = False):
+    def __init__(self, background: bool = True, log: Optional[logging.Logger] = None, pin: bool = False,
+                 wait_s: Optional[float] = None):
         self.background = background
         self.pin = pin
+        self.wait_s = wait_s  # how long flush() waits for the writes on rank 0 (None: as long as they take)
         self._told_pageable = False
         self.log = log or logging.getLogger(__name__)
         self.is_writer = not dist.is_initialized() or dist.get_rank() == 0
@@ -1228,6 +1253,7 @@ class CheckpointWriter:
         # it when the last queued copy is written; `_pending` (under `_lock`) counts the copies
         # being made or waiting, so it is never dropped while a save still fills or needs it.
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when `_pending` drops to 0
         self._memo: dict = {}
         self._pending = 0
         self.retry_pending = False  # a write failed; the save point after it writes again (see save)
@@ -1289,10 +1315,11 @@ class CheckpointWriter:
 
     def _release(self) -> None:
         """One copy written (or abandoned); after the last, no shared copy outlives its write."""
-        with self._lock:
+        with self._idle:
             self._pending -= 1
             if self._pending == 0:
                 self._memo = {}
+                self._idle.notify_all()
 
     def failed(self) -> bool:
         """Whether a background write has failed (known on rank 0 only), without waiting for any."""
@@ -1321,7 +1348,12 @@ class CheckpointWriter:
         return self._error
 
     def _wait(self) -> None:
-        self._jobs.join()
+        with self._idle:
+            if not self._idle.wait_for(lambda: self._pending == 0, self.wait_s):
+                # the other ranks stop waiting for this one after as long (dist_timeout): a hung file system
+                # becomes an error on every rank; the write is left, and never replaces the previous files
+                raise CheckpointError(f"a checkpoint write did not finish within {self.wait_s:g} s (a hung file "
+                                      f"system?); the files written before it are intact")
         if self._error is not None:
             error, self._error = self._error, None
             raise error
@@ -1359,8 +1391,6 @@ class CheckpointWriter:
                 # returns leaves no host copy behind.
                 job = None
                 self._release()
-                self._jobs.task_done()
-        self._jobs.task_done()
 
 
 # ----------------------------------------------------------------------------

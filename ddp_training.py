@@ -662,7 +662,7 @@ class BatchError:
     DataLoader worker is fatal; a bad sample is a recoverable data error."""
     text: str
     fatal: bool = False
-    counted: bool = True  # False for the extra pieces of a failed batch split after an OOM
+    counted: bool = True  # False where another error counts for it (see _split_micro_batches, _PartsCollate)
 
 
 class StepTally:
@@ -715,7 +715,8 @@ def next_batch(batches) -> Any:
         stuck = "DataLoader timed out" in text  # every later batch would wait as long: no bad sample to skip
         if stuck:
             text += " (a worker is stuck: a hung read or a deadlock; loader_timeout sets the wait)"
-        return BatchError(text, fatal=worker_died or stuck or getattr(exc, "fatal", False))
+        return BatchError(text, fatal=worker_died or stuck or getattr(exc, "fatal", False),
+                          counted=getattr(exc, "counted", True))
 
 
 # What gloo's failures say (its source path, or the peer's end); gloo raises them as plain RuntimeErrors, NCCL's
@@ -869,7 +870,8 @@ class DDPTrainer:
         self._bar = None
         self.in_train = False
         self.ckpt_dir = Path(cfg.checkpoint_dir)
-        self.writer = rt.CheckpointWriter(cfg.async_checkpoint, self.log, pin=self.non_blocking)
+        self.writer = rt.CheckpointWriter(cfg.async_checkpoint, self.log, pin=self.non_blocking,
+                                          wait_s=cfg.dist_timeout if env.is_distributed else None)
         self.mfu_per_unit = self._mfu_per_unit()
         self.stepped = False  # this process completed a step (DDP has seen a whole backward)
         self._metrics_file = None
@@ -1175,16 +1177,20 @@ class DDPTrainer:
         weight zero, small enough to fit after an out-of-memory error."""
         return rt.split_batch(self._spare(why), 0, self.cfg.batch_size)
 
-    def _split_micro_batches(self, micro: list, ways: int) -> list:
+    def _split_micro_batches(self, micro: list, ways: int, retry: bool = False) -> list:
+        """Each micro-batch in `ways` pieces. A failed batch stays one error (counted by its first piece), and
+        none on a `retry`: the step's first attempt counted it."""
         if ways == 1:
             return micro
+        # from what every rank knows alike (training batches are full): a rank whose batches all failed to
+        # load must not go on into the step while the others stop
+        if self.micro_splits > self.cfg.batch_size:
+            raise StepFailed(f"step {self.global_step + 1}: out of memory even with micro-batches of one sample")
         out = []
         for b in micro:
             if isinstance(b, BatchError):
-                out.extend([b] + [BatchError(b.text, b.fatal, counted=False)] * (ways - 1))
+                out.extend(dataclasses.replace(b, counted=b.counted and not retry and k == 0) for k in range(ways))
                 continue
-            if rt.batch_len(b) < ways:
-                raise StepFailed(f"step {self.global_step + 1}: out of memory even with micro-batches of one sample")
             out.extend(rt.split_batch(b, k, ways) for k in range(ways))
         return out
 
@@ -1195,7 +1201,7 @@ class DDPTrainer:
         if self.spare_batch is None:
             ds, samples = self.train_dataset, []
             if isinstance(ds, torch.utils.data.IterableDataset):
-                # Only under dispatch, where every rank gets its part of the same failed read: all raise here
+                # Only under dispatch, where a stream's parts load or fail together (_PartsCollate): all raise here
                 raise StepFailed(f"step {self.global_step + 1}: {why}; no batch of the stream has loaded yet "
                                  f"to stand in for it (a stream cannot be read by index)")
             streams = rt.rng_state()
@@ -1767,7 +1773,7 @@ class DDPTrainer:
                 self.log.warning("out of memory on some rank: retrying step %d with micro-batches split "
                                  "%d ways (gradient accumulation x%d)", self.global_step + 1,
                                  self.micro_splits, self.micro_splits)
-                micro = self._split_micro_batches(micro, 2)
+                micro = self._split_micro_batches(micro, 2, retry=True)
                 r = self._train_step(micro, stop_signal)
             self.stepped = True
         except StepFailed:

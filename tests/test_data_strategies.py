@@ -158,3 +158,39 @@ def test_a_stream_that_fails_at_its_first_read_fails_step_1_on_every_rank_naming
         assert error == (f"StepFailed: step 1: BatchLoadError: ConnectionError: the bucket is gone (read by rank 0 "
                          f"for rank {rank}, data_strategy dispatch); no batch of the stream has loaded yet to stand "
                          f"in for it (a stream cannot be read by index)"), errors
+
+
+class OddSampleStream(torch.utils.data.IterableDataset):
+    """Sample 1 (in rank 1's part of the first global batch) has another length: only that part fails to
+    collate. A stream has no batch yet that either rank could replay in its place."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def __iter__(self):
+        for i in range(len(self.base)):
+            x, y = self.base[i]
+            yield (x[:-1], y[:-1]) if i == 1 else (x, y)
+
+
+def _odd_stream(rank, world_size, root):
+    data = synthetic_lm_data(TrainConfig.from_dict(CFG))
+    cfg = {**CFG, "data_strategy": "dispatch", "max_steps": 3, "log_dir": str(Path(root) / "logs"),
+           "checkpoint_dir": str(Path(root) / "ckpt")}
+    try:
+        DDPTrainer(rank=rank, world_size=world_size, config=cfg, model=CausalLM(64, 32, 1, 2, 16),
+                   train_dataset=OddSampleStream(data.train), val_dataset=data.val).train()
+        return "completed"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_a_stream_part_that_fails_at_step_1_fails_every_rank_there_not_one_alone(tmp_path):
+    # before: rank 1 raised alone and rank 0 died of a reset connection in the gradient all-reduce
+    errors = spawn(_odd_stream, 2, str(tmp_path), timeout=90)
+    for rank, error in enumerate(errors):
+        assert error.startswith("StepFailed: step 1: BatchLoadError: RuntimeError: stack expects each tensor to be "
+                                "equal size"), errors
+        assert f"(read by rank 0 for rank {rank}, data_strategy dispatch); no batch of the stream has loaded yet" \
+            in error, errors
+    assert "(in rank 1's part; a stream's parts load or fail together)" in errors[0], errors

@@ -561,3 +561,78 @@ def test_sigusr1_through_the_launcher_preempts_cleanly(tmp_path):
     step = json.loads((tmp_path / "logs" / "PREEMPTED").read_text())["step"]
     assert (tmp_path / "ckpt" / f"model_state_step_{step}.pt").exists()
     assert "SIGUSR1" in (tmp_path / "logs" / "rank_0.log").read_text()
+
+
+class FirstReadFails(torch.utils.data.Dataset):
+    def __init__(self):
+        self.reads = 0
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        self.reads += 1
+        if self.reads == 1:
+            raise OSError("record unreadable")
+        return torch.full((4,), float(i % 7))
+
+
+def test_a_step_retried_after_out_of_memory_counts_its_failed_batch_once(tmp_path, no_launch_env):
+    """Step 1's first micro-batch fails to load and its second runs out of memory: the retry with smaller
+    micro-batches must not count the failed batch again (it did, and max_errors_per_epoch=1 stopped the run)."""
+    calls = []
+
+    def loss_fn(model, batch):
+        calls.append(len(batch))
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return model(batch).pow(2).sum(), len(batch)
+    cfg = {**cfg_for(tmp_path), "batch_size": 4, "grad_accum_steps": 2, "max_steps": 3, "max_errors_per_epoch": 1}
+    summary = DDPTrainer(config=cfg, model=nn.Linear(4, 1), train_dataset=FirstReadFails(), loss_fn=loss_fn).train()
+    assert (summary["status"], summary["steps"]) == ("completed", 3)
+    log = (tmp_path / "logs" / "rank_0.log").read_text()
+    assert "retrying step 1 with micro-batches split 2 ways" in log
+    assert log.count("failed to load") == 1 and "1 batch(es) failed to load at step 1 (1 this epoch, max 1)" in log
+
+
+class OutOfMemoryOnce:
+    """lm_loss that runs out of memory in its first training forward (where `hit`)."""
+
+    def __init__(self, hit):
+        self.hit = hit
+
+    def __call__(self, model, batch):
+        if self.hit and model.training:
+            self.hit = False
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return lm_loss(model, batch)
+
+
+def _oom_beside_a_failed_batch(rank, world_size, root):
+    """batch_size 1: rank 1 runs out of memory at step 1, where rank 0's one batch failed to load."""
+    data = synthetic_lm_data(TrainConfig.from_dict(CFG))
+
+    class FailsFirst(torch.utils.data.Dataset):
+        reads = 0
+
+        def __len__(self):
+            return len(data.train)
+
+        def __getitem__(self, i):
+            FailsFirst.reads += 1
+            if rank == 0 and FailsFirst.reads == 1:
+                raise OSError("record unreadable")
+            return data.train[i]
+    try:
+        DDPTrainer(rank=rank, world_size=world_size, config=cfg_for(root, batch_size=1, max_steps=3),
+                   model=CausalLM(64, 32, 1, 2, 16), train_dataset=FailsFirst(), val_dataset=data.val,
+                   loss_fn=OutOfMemoryOnce(rank == 1)).train()
+        return "completed"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_out_of_memory_with_one_sample_batches_stops_every_rank_alike(tmp_path):
+    # before: rank 0, with no real batch to split, went on into the step alone and met a dead peer there
+    assert spawn(_oom_beside_a_failed_batch, 2, str(tmp_path), timeout=90) == \
+        ["StepFailed: step 1: out of memory even with micro-batches of one sample"] * 2

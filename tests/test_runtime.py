@@ -482,6 +482,34 @@ def test_atomic_save_roundtrip_and_hash(tmp_path):
         rt.load_checkpoint(path)
 
 
+def test_a_failure_marker_that_cannot_be_written_says_so_and_lets_the_error_through(tmp_path, capsys):
+    rt.write_failure_marker(tmp_path / "logs", 1, 7, ValueError("bad"))
+    assert json.loads((tmp_path / "logs" / "FAILED_rank_1").read_text()) == {"rank": 1, "step": 7,
+                                                                             "error": "ValueError: bad"}
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    with pytest.raises(OSError, match="No space"):  # the error being raised, not the marker's
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as exc:
+            rt.write_failure_marker(not_a_dir, 0, 3, exc)
+            raise
+    err = capsys.readouterr().err
+    assert f"[rank 0] could not write FAILED_rank_0 into {not_a_dir}" in err
+    assert "the other ranks will not see this rank's error: OSError: [Errno 28] No space left on device" in err
+
+
+def test_a_read_error_while_checking_a_checkpoint_is_a_checkpoint_error_naming_it(tmp_path, monkeypatch):
+    path = rt.atomic_save({"v": torch.ones(3)}, tmp_path / "c.pt")
+
+    def eio(p, chunk=0):
+        raise OSError(errno.EIO, "Input/output error")
+    monkeypatch.setattr(rt, "sha256_file", eio)
+    with pytest.raises(rt.CheckpointError, match=f"checkpoint {path}: cannot read it to check its SHA-256: .*"
+                                                 f"Input/output error"):
+        rt.load_checkpoint(path)
+
+
 def test_background_writer_saves_the_values_of_the_moment_it_was_called(tmp_path, monkeypatch):
     release = threading.Event()
     real = rt.atomic_save
@@ -503,6 +531,24 @@ def test_background_writer_saves_the_values_of_the_moment_it_was_called(tmp_path
     assert torch.equal(a["opt"]["state"][0]["m"], torch.ones(3))
     assert a["emb"].data_ptr() == a["head"].data_ptr()  # tied weights stay tied in the file
     assert torch.equal(rt.load_checkpoint(tmp_path / "b.pt")["head"], torch.arange(6.0).reshape(2, 3))
+    assert writer.close() is None
+
+
+def test_a_save_point_never_takes_a_freed_tensors_copy_for_a_new_one(tmp_path, monkeypatch):
+    """Payloads of one save point share host copies by source address; a source freed after its save
+    (RNG states are fresh tensors each time) must not hand its copy to a later tensor at that address."""
+    release = threading.Event()
+    real = rt.atomic_save
+    monkeypatch.setattr(rt, "atomic_save", lambda obj, path: (release.wait(10), real(obj, path))[1])
+    writer = rt.CheckpointWriter(background=True)
+    writer.save({"rng": torch.full((256,), 1, dtype=torch.uint8)}, tmp_path / "first.pt", group=7)
+    for i in range(20):  # the first payload's tensor is gone; new ones of its size, at any free address
+        writer.save({"rng": torch.full((256,), i + 2, dtype=torch.uint8)}, tmp_path / f"s{i}.pt", group=7)
+    release.set()
+    writer.flush()
+    assert torch.equal(rt.load_checkpoint(tmp_path / "first.pt")["rng"], torch.full((256,), 1, dtype=torch.uint8))
+    for i in range(20):
+        assert torch.equal(rt.load_checkpoint(tmp_path / f"s{i}.pt")["rng"], torch.full((256,), i + 2, dtype=torch.uint8)), i
     assert writer.close() is None
 
 
@@ -592,6 +638,22 @@ def test_background_writer_gives_up_on_a_write_that_hangs(tmp_path, monkeypatch)
     release.set()
     assert isinstance(error, rt.CheckpointError) and str(error) == "a checkpoint write did not finish within 0.5 s"
     assert not (tmp_path / "a.pt").exists()
+
+
+def test_flush_gives_up_on_a_write_that_hangs_after_wait_s(tmp_path, monkeypatch):
+    """On several ranks the others stop waiting for rank 0's flush after dist_timeout (wait_s): rank 0 must
+    not wait on for ever behind a hung file system."""
+    release = threading.Event()
+    monkeypatch.setattr(rt, "atomic_save", lambda obj, path: release.wait(30))
+    writer = rt.CheckpointWriter(background=True, wait_s=0.5)
+    writer.save({"w": torch.ones(2)}, tmp_path / "a.pt", group=1)
+    t0 = time.monotonic()
+    with pytest.raises(rt.CheckpointError, match=r"a checkpoint write did not finish within 0.5 s \(a hung file "):
+        writer.flush()
+    assert 0.5 <= time.monotonic() - t0 < 5
+    release.set()
+    writer.flush()  # the write came back: nothing pending
+    assert writer.close(timeout_s=5) is None
 
 
 def test_failed_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
