@@ -2155,7 +2155,11 @@ def _train_and_exit_code(rank: int, world_size: int, cfg: dict, local_rank: Opti
 
 
 def _spawned_worker(rank: int, world_size: int, cfg: dict, requested=None) -> None:
-    rt.exit_process(_train_and_exit_code(rank, world_size, cfg, requested=requested))
+    try:
+        code = _train_and_exit_code(rank, world_size, cfg, requested=requested)
+    except KeyboardInterrupt:  # Ctrl-C in set-up; torch's spawn wrapper would make it exit 0, a success
+        code = 128 + signal.SIGINT
+    rt.exit_process(code)
 
 
 SAVE_GRACE_S = 300  # as launch_training.sh gives torchrun's workers
@@ -2175,7 +2179,8 @@ def _a_rank_died_of_the_stop(procs: list, forwarded: list) -> bool:
 
 def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker) -> int:
     """Run `worker(rank, nproc, cfg, requested)` on `nproc` local processes (torch.multiprocessing, a free
-    port), for users without torchrun. Returns the exit status: 0, EXIT_PREEMPTED, EXIT_BAD_INPUT or 1.
+    port), for users without torchrun. Returns the exit status: 0, EXIT_PREEMPTED, EXIT_BAD_INPUT, 128 + a
+    signal that ended a rank's set-up (Ctrl-C: 130; a second SIGTERM: 143), as a single process exits, or 1.
 
     A signal passed on to a rank between its fork and its exec is taken by the handler it inherited from
     this process and lost; `requested` (shared memory) holds the first stop, and each rank reads it once it
@@ -2213,7 +2218,7 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker) -> int:
         while not context.join(grace_period=SAVE_GRACE_S if forwarded else None):
             pass
     except mp.ProcessExitedException as exc:
-        return exc.exit_code if exc.exit_code in (rt.EXIT_PREEMPTED, EXIT_BAD_INPUT) else 1
+        return exc.exit_code if exc.exit_code in (rt.EXIT_PREEMPTED, EXIT_BAD_INPUT) or exc.exit_code > 128 else 1
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -624,6 +624,22 @@ def test_a_stop_to_the_group_of_a_starting_nproc_run_stops_it_at_step_1_with_a_s
 
 
 @pytest.mark.multi
+def test_ctrl_c_during_the_set_up_of_an_nproc_run_is_no_success(tmp_path):
+    """Ctrl-C (SIGINT to the group) in set-up stops the ranks at once, nothing to save; torch's spawn wrapper
+    turns a KeyboardInterrupt into exit 0, and the run exited 0 as if it had trained."""
+    cmd = [sys.executable, REPO / "ddp_training.py", "--cpu", "--nproc", "2", "--test", "--log_dir", "logs",
+           "--checkpoint_dir", "ckpt", "--dataset_size", "200000"]  # ~3 s of set-up: making and hashing the data
+    with background(cmd, tmp_path, env=clean_env()) as proc:
+        deadline = time.time() + 60
+        while time.time() < deadline and not (tmp_path / "logs" / "rank_1.log").exists():
+            time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, out[-3000:]
+    assert not (tmp_path / "logs" / "COMPLETED").exists() and not (tmp_path / "ckpt" / "model_final.pt").exists()
+
+
+@pytest.mark.multi
 def test_launcher_cpu_test_end_to_end(tmp_path):
     env = clean_env(PYTHON=sys.executable, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     t0 = time.time()
