@@ -209,6 +209,9 @@ def setup_distributed(rank: int, world_size: int, local_rank: Optional[int] = No
     dist.init_process_group(backend=chosen, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s),
                             device_id=dev if chosen == "nccl" else None)
+    global _roll_call_group
+    if chosen == "gloo":  # see missing_ranks
+        _roll_call_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     return DistEnv(rank, local_rank, world_size, chosen, dev)
 
 
@@ -218,14 +221,25 @@ def set_collective_timeout(seconds: float) -> None:
         dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds))
 
 
+# A second gloo group that carries nothing but missing_ranks' barrier: a collective that timed out closes the
+# connections of its group, so a barrier on the default group after a timeout can never name anyone.
+_roll_call_group = None
+
+
 def missing_ranks(timeout_s: float) -> str:
-    """What gloo's monitored_barrier can tell about ranks that do not answer (rank 0 names them)."""
-    if not (dist.is_initialized() and dist.get_backend() == "gloo"):
+    """What gloo's monitored_barrier can tell about ranks that do not answer (rank 0 names them; the others
+    learn that rank 0 did not answer them)."""
+    if not (dist.is_initialized() and dist.get_backend() == "gloo" and _roll_call_group is not None):
         return "the backend cannot name the missing rank"
     try:
-        dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
+        dist.monitored_barrier(group=_roll_call_group, timeout=datetime.timedelta(seconds=timeout_s),
+                               wait_all_ranks=True)
     except RuntimeError as exc:
-        return f"monitored_barrier: {str(exc).splitlines()[0]}"
+        first = str(exc).splitlines()[0]
+        named = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", first)
+        if named:
+            return f"rank(s) that did not answer within {timeout_s:g}s: {named.group(1).strip()} (monitored_barrier)"
+        return f"monitored_barrier: {first}"
     return "monitored_barrier: every rank answered"
 
 
@@ -283,10 +297,12 @@ def read_failure_markers(log_dir, exclude: int, wait_s: float, world_size: Optio
 def teardown_distributed(synchronize: bool = False) -> None:
     """Leave the process group; after a clean finish all ranks leave together, so no rank tears
     down its connections while a peer still uses them."""
+    global _roll_call_group
     if dist.is_available() and dist.is_initialized():
         if synchronize:
             dist.barrier()
         dist.destroy_process_group()
+    _roll_call_group = None
 
 
 def exit_process(code: int) -> None:
