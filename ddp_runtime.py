@@ -265,6 +265,14 @@ def clear_failure_marker(log_dir, rank: int) -> None:
 
 
 PREEMPTED_MARKER = "PREEMPTED"
+# launch_training.sh names each launch in this variable; the markers it reads carry it, so that another run's
+# marker in a directory it searches is never taken for this run's
+LAUNCH_ID_VAR = "DDP_KIT_LAUNCH_ID"
+
+
+def with_launch_id(record: dict) -> dict:
+    launch_id = os.environ.get(LAUNCH_ID_VAR)
+    return {**record, "launch_id": launch_id} if launch_id else record
 
 
 def write_preempted_marker(log_dir, record: dict) -> Path:
@@ -273,7 +281,7 @@ def write_preempted_marker(log_dir, record: dict) -> Path:
     torchrun). Written through a temp file: every rank that gives up in set-up may write it at once."""
     path = Path(log_dir) / PREEMPTED_MARKER
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(record) + "\n")
+    atomic_write_text(path, json.dumps(with_launch_id(record)) + "\n")
     return path
 
 

@@ -1682,7 +1682,7 @@ class DDPTrainer:
         return {**summary, "already_complete": True}
 
     def _write_completed_marker(self, summary: dict) -> None:
-        record = {"total_steps": self.total_steps, "stop": self._stop_rule(), "summary": summary}
+        record = rt.with_launch_id({"total_steps": self.total_steps, "stop": self._stop_rule(), "summary": summary})
         rt.atomic_write_text(Path(self.cfg.log_dir) / COMPLETED_MARKER, json_line(record) + "\n")
 
     def _prepare_run_dir(self) -> None:

@@ -250,7 +250,9 @@ printf ' %q' "${cmd[@]}"; printf '\n'
 # it does not pass the workers' codes on. The trainer's own proof of a resumable stop is the PREEMPTED
 # marker, written by rank 0 only once the state is on disk and removed when a run starts. So torchrun runs
 # as a child and the launcher exits 75 when torchrun failed and a marker newer than this launch exists in
-# the run's log dir; a --config file can name another log dir, which the launcher does not read.
+# the run's log dir; a --config file can name another log dir, which the launcher does not read. The markers
+# carry this launch's id (DDP_KIT_LAUNCH_ID), so another run's marker in a searched dir does not count. A
+# run that completed (COMPLETED, newer, this launch's) while torchrun handled a stop signal exits 0.
 marker_dirs() {
     local explicit=() ckpts=() names=() i a
     [[ -n "$log_dir" ]] && explicit+=("$log_dir")
@@ -275,11 +277,12 @@ marker_dirs() {
     fi
 }
 
-new_marker() {
+new_marker() {  # new_marker PREEMPTED|COMPLETED: this launch's marker of that name, if any
     local dir
     while IFS= read -r dir; do
-        if [[ -n "$dir" && -f "$dir/PREEMPTED" && "$dir/PREEMPTED" -nt "$stamp" ]]; then
-            echo "$dir/PREEMPTED"
+        if [[ -n "$dir" && -f "$dir/$1" && "$dir/$1" -nt "$stamp" ]] \
+                && grep -qF -- "\"launch_id\": \"$DDP_KIT_LAUNCH_ID\"" "$dir/$1"; then
+            echo "$dir/$1"
             return
         fi
     done < <(marker_dirs)
@@ -305,6 +308,13 @@ stop_signal() { case $1 in HUP|QUIT) echo TERM ;; *) echo "$1" ;; esac; }
 
 stamp=$(mktemp "${TMPDIR:-/tmp}/launch_training.XXXXXX") || die "cannot create a file in ${TMPDIR:-/tmp} (set TMPDIR)"
 trap 'rm -f "$stamp"' EXIT
+# one id for all nodes of a multi-node run (rank 0 writes the markers, every node's launcher reads them)
+if (( nnodes == 1 )); then
+    DDP_KIT_LAUNCH_ID="${HOSTNAME:-host}-$$-${stamp##*.}"
+else
+    DDP_KIT_LAUNCH_ID="${SLURM_JOB_ID:-ddp-kit}-$master_addr-$master_port"
+fi
+export DDP_KIT_LAUNCH_ID
 for sig in TERM INT HUP QUIT USR1; do trap "forward $sig" "$sig"; done
 
 # A session of its own, so a Ctrl-C on the terminal (or a signal to this script's process group) reaches
@@ -330,11 +340,17 @@ status=0
 wait "$child" || status=$?
 
 if (( status != 0 )); then
-    marker=$(new_marker)
+    marker=$(new_marker PREEMPTED)
     if [[ -n "$marker" ]]; then
         echo "launch_training.sh: the run was preempted ($marker: $(head -c 300 "$marker" | tr -d '\n'));" \
              "exiting 75, relaunch the same command to resume" >&2
         exit 75
+    fi
+    marker=$(new_marker COMPLETED)
+    if [[ -n "$marker" && -n "$forwarded" ]]; then
+        echo "launch_training.sh: the run completed ($marker) before SIG$forwarded could stop it;" \
+             "torchrun's status $status was its answer to the signal: exiting 0" >&2
+        exit 0
     fi
     if [[ -n "$forwarded" ]]; then
         echo "launch_training.sh: stopped by SIG$forwarded, but no PREEMPTED marker newer than the launch in:" \

@@ -202,6 +202,10 @@ def test_the_default_script_is_found_from_any_directory(tmp_path, fake_bin):
 
 # -- exit status: 75 for a preempted run ------------------------------------------------------------------------
 
+# a marker as the trainers write it under the launcher: with the launch's id (shell, for FAKE_TORCHRUN_THEN)
+MARKER = 'printf \'{"step": 7, "launch_id": "%s"}\\n\' "$DDP_KIT_LAUNCH_ID"'
+
+
 def write_marker(path: Path, step: int = 7) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"step": step}) + "\n")
@@ -219,8 +223,8 @@ def write_marker(path: Path, step: int = 7) -> None:
     (["--script", "vj2ac_train_multi_gpu.py", "--", "--run_name", "v/1"], "checkpoints/v/1"),
 ])
 def test_a_failed_torchrun_with_a_new_marker_exits_75(tmp_path, fake_bin, argv, log_dir):
-    r = launch(["--cpu", *argv], tmp_path, fake_bin,
-               FAKE_TORCHRUN_THEN=f"mkdir -p {log_dir} && echo '{{\"step\": 7}}' > {log_dir}/PREEMPTED; exit 1")
+    r = launch(["--cpu", *argv], tmp_path, fake_bin, FAKE_TORCHRUN_THEN=f"mkdir -p {log_dir} && {MARKER} "
+                                                                      f"> {log_dir}/PREEMPTED; exit 1")
     assert r.returncode == EXIT_PREEMPTED, r.stdout
     assert f"the run was preempted ({log_dir}/PREEMPTED" in r.stdout and "relaunch" in r.stdout
 
@@ -237,8 +241,27 @@ def test_an_old_marker_or_a_clean_exit_is_not_a_preemption(tmp_path, fake_bin):
     r = launch(["--cpu", "--", "--run_name", "mine"], tmp_path, fake_bin,
                FAKE_TORCHRUN_THEN="touch runs/lm/PREEMPTED; exit 1")  # nor, with a run name, in another run's
     assert r.returncode == 1, r.stdout
-    r = launch(["--cpu"], tmp_path, fake_bin, FAKE_TORCHRUN_THEN="touch runs/lm/PREEMPTED; exit 0")
+    r = launch(["--cpu"], tmp_path, fake_bin, FAKE_TORCHRUN_THEN=f"{MARKER} > runs/lm/PREEMPTED; exit 0")
     assert r.returncode == 0, r.stdout
+    # A new marker of another run (another launch) in a dir the launcher searches: not this run's preemption
+    r = launch(["--cpu"], tmp_path, fake_bin, FAKE_TORCHRUN_THEN="touch runs/lm/PREEMPTED; exit 1")
+    assert r.returncode == 1 and "preempted" not in r.stdout, r.stdout
+    r = launch(["--cpu"], tmp_path, fake_bin, FAKE_TORCHRUN_THEN="mkdir -p runs/b && DDP_KIT_LAUNCH_ID=other "
+                                                                 f"&& {MARKER} > runs/b/PREEMPTED; exit 1")
+    assert r.returncode == 1 and "preempted" not in r.stdout, r.stdout
+
+
+def test_a_run_that_completes_while_torchrun_handles_a_stop_exits_0(tmp_path, fake_bin):
+    """A stop that lands after the last step (during the final evaluation): the run completes and writes
+    COMPLETED, and torchrun still exits non-zero for the signal it handled."""
+    complete = (f"mkdir -p runs/lm && {MARKER} > runs/lm/COMPLETED && kill -TERM $PPID; "
+                "trap 'exit 1' TERM; while :; do sleep 0.1; done")
+    r = launch(["--cpu"], tmp_path, fake_bin, FAKE_TORCHRUN_THEN=complete)
+    assert r.returncode == 0, r.stdout
+    assert "the run completed (runs/lm/COMPLETED) before SIGTERM could stop it" in r.stdout, r.stdout
+    r = launch(["--cpu"], tmp_path, fake_bin, FAKE_TORCHRUN_THEN=f"mkdir -p runs/lm && {MARKER} > "
+                                                                 "runs/lm/COMPLETED; exit 1")
+    assert r.returncode == 1, r.stdout  # no stop signal: a failure after the marker is a failure
 
 
 def launcher_run(tmp_path):
