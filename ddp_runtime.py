@@ -22,6 +22,7 @@ import select
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -404,14 +405,19 @@ def run_on_rank0(fn, *args, what: str = "operation", **kwargs):
 
 def setup_logger(log_dir: str | os.PathLike, rank: int, debug: bool = False,
                  name: str = "ddp") -> logging.Logger:
-    """`rank_N.log` for every rank; console from rank 0 only (every rank with debug)."""
-    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    """`rank_N.log` for every rank; console from rank 0 only (every rank with debug). A log dir that cannot
+    be written is a ValueError (bad input) that names it."""
+    try:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        fh = logging.FileHandler(Path(log_dir) / f"rank_{rank}.log", mode="a")
+    except OSError as exc:
+        raise ValueError(f"log_dir {log_dir}: cannot write rank_{rank}.log there ({type(exc).__name__}: "
+                         f"{exc}){symlink_note(log_dir)}") from exc
     logger = logging.getLogger(f"{name}.rank{rank}")
     close_logger(logger)  # a second trainer in one process must not double lines
     logger.setLevel(logging.DEBUG if debug else logging.INFO)
     logger.propagate = False
     fmt = logging.Formatter(f"%(asctime)s [RANK {rank}] %(levelname)s: %(message)s", "%Y-%m-%d %H:%M:%S")
-    fh = logging.FileHandler(Path(log_dir) / f"rank_{rank}.log", mode="a")
     fh.setFormatter(fmt)
     logger.addHandler(fh)
     if rank == 0 or debug:
@@ -419,6 +425,27 @@ def setup_logger(log_dir: str | os.PathLike, rank: int, debug: bool = False,
         sh.setFormatter(fmt)
         logger.addHandler(sh)
     return logger
+
+
+def symlink_note(path) -> str:
+    """Where a symlink on the way to `path` leads (a link a run left, to a dir that is gone), or ''."""
+    for p in (Path(path), *Path(path).parents):
+        if p.is_symlink():
+            return f"; {p} is a symlink to {os.readlink(p)}"
+    return ""
+
+
+def unwritable_dir(path) -> Optional[str]:
+    """Why files cannot be created in `path` (made if missing), or None: checked at set-up, so that a run
+    does not train for hours to fail at its first save."""
+    try:
+        Path(path).resolve().mkdir(parents=True, exist_ok=True)  # the target of a link whose dir has gone too
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".write_probe.")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}{symlink_note(path)}"
+    return None
 
 
 def close_logger(logger: logging.Logger) -> None:
@@ -1064,10 +1091,15 @@ class _HashingWriter:
 
     def __init__(self, f):
         self.f, self.sha = f, hashlib.sha256()
+        self.error: Optional[OSError] = None
 
     def write(self, data) -> int:
         self.sha.update(data)
-        return self.f.write(data)
+        try:
+            return self.f.write(data)
+        except OSError as exc:  # torch.save reports it as "unexpected pos N vs M": kept, to raise instead
+            self.error = self.error or exc
+            raise
 
     def flush(self) -> None:
         self.f.flush()
@@ -1080,7 +1112,12 @@ def _atomic_write(path: Path, write, before_replace=None) -> str:
     try:
         with open(tmp, "wb") as f:
             out = _HashingWriter(f)
-            write(out)
+            try:
+                write(out)
+            except Exception as exc:
+                if out.error is not None and out.error is not exc:  # say "No space left on device"
+                    raise out.error from exc
+                raise
             f.flush()
             os.fsync(f.fileno())
         if before_replace is not None:

@@ -841,6 +841,9 @@ class DDPTrainer:
         self.log.info("rank %d/%d, local_rank %d, device %s, backend %s, timeout %.0fs",
                       env.rank, env.world_size, env.local_rank, env.device, env.backend or "none (1 process)",
                       cfg.dist_timeout)
+        problem = rt.broadcast_object(rt.unwritable_dir(cfg.checkpoint_dir) if env.is_main else None)
+        if problem:  # rank 0 writes every checkpoint: all ranks stop on its answer
+            raise ValueError(f"checkpoint_dir {cfg.checkpoint_dir}: cannot write checkpoints there ({problem})")
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank

@@ -398,7 +398,10 @@ def train(args, launch):
 def set_up(args, launch, cfg):
     """The data (checked on every rank), the predictor and its DDPTrainer (`cfg`: train_config(args))."""
     # the trainer's logger has the same name: it replaces these handlers, so no line is written twice
-    log = rt.setup_logger(cfg["log_dir"], launch["rank"], args.debug)
+    try:
+        log = rt.setup_logger(cfg["log_dir"], launch["rank"], args.debug)
+    except ValueError as exc:  # a log dir that cannot be written
+        raise BadInput(str(exc)) from exc
     backend = rt.pick_backend(args.dist_backend, args.device) if launch["world_size"] > 1 else "none (1 process)"
     log.info("[DDP] Initializing with backend=%s, device=%s", backend, args.device)
     # Every rank validates the data before any process group exists, so a bad file or a horizon that does

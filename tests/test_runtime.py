@@ -671,6 +671,36 @@ def test_failed_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt", "c.pt.sha256"]
 
 
+def test_a_full_disk_during_torch_save_is_named_as_such(tmp_path, monkeypatch):
+    """torch.save turns the OSError of a write into "unexpected pos N vs M"; the disk's own error is raised."""
+    path = rt.atomic_save({"v": torch.ones(3)}, tmp_path / "c.pt")
+    real_open = open
+
+    class FillsUp:
+        def __init__(self, f):
+            self.f, self.n = f, 0
+
+        def write(self, data):
+            self.n += len(data)
+            if self.n > 4096:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+    monkeypatch.setattr(rt, "open", lambda p, mode="r": FillsUp(real_open(p, mode)), raising=False)
+    with pytest.raises(OSError, match=r"\[Errno 28\] No space left on device"):
+        rt.atomic_save({"v": torch.zeros(100_000)}, path)
+    monkeypatch.undo()
+    assert torch.equal(rt.load_checkpoint(path)["v"], torch.ones(3))  # the previous file, intact
+
+
 def test_a_failed_synchronous_write_names_the_file(tmp_path, monkeypatch):
     def full_disk(obj, path):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -532,10 +532,21 @@ def test_cli_precedence_defaults_yaml_flags(tmp_path):
     (["--cpu", "--data", "."], "error: ValueError: --data .: is a directory"),
     (["--device", "cuda"], "error: ValueError: --device cuda: CUDA is not available here"),  # CUDA hidden below
     (["--cpu", "--test", "--tensorboard"], "--tensorboard needs the tensorboard package"),
+    (["--cpu", "--log_dir", "empty.txt"],
+     "error: ValueError: log_dir empty.txt: cannot write rank_0.log there (FileExistsError"),
+    # found at set-up, not at the first save an epoch later
+    (["--cpu", "--nproc", "2", "--checkpoint_dir", "empty.txt/ck"],
+     "error: ValueError: checkpoint_dir empty.txt/ck: cannot write checkpoints there (NotADirectoryError"),
+    # a link an earlier run left (its --checkpoint_dir) to where no dir can be made
+    (["--cpu", "--run_name", "linked"], "error: ValueError: checkpoint_dir runs/linked/checkpoints: cannot write "
+                                        "checkpoints there (NotADirectoryError"),
+    (["--cpu", "--run_name", "linked"], "; runs/linked/checkpoints is a symlink to "),
 ])
 def test_cli_bad_input_exits_2_with_a_clear_message(tmp_path, argv, message):
     (tmp_path / "bad.yaml").write_text("bogus_key: 1\n")
     (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "runs" / "linked").mkdir(parents=True)
+    (tmp_path / "runs" / "linked" / "checkpoints").symlink_to(tmp_path / "empty.txt" / "ck")
     argv = [a.replace("{yaml}", str(tmp_path / "bad.yaml")) for a in argv]
     if "--tensorboard" in argv and importlib.util.find_spec("tensorboard"):
         pytest.skip("tensorboard is installed here")
