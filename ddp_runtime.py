@@ -448,6 +448,51 @@ def unwritable_dir(path) -> Optional[str]:
     return None
 
 
+class RunDirLock:
+    """An exclusive lock on a run dir (`flock` on `.lock` in it), held by rank 0 while a trainer uses it: two
+    runs in one dir would each set the other's states aside and prune them. The kernel drops it when the
+    process ends, however it ends. A holder is named by what it wrote into the file (pid, host, time)."""
+
+    NAME = ".lock"
+
+    def __init__(self, directory):
+        self.path = Path(directory) / self.NAME
+        self._file = None
+
+    def acquire(self) -> Optional[str]:
+        """Take the lock; None, or who holds it. A file system without locks gets a warning, not a refusal; a
+        dir that cannot be written is left to setup_logger to report."""
+        import fcntl
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            f = open(self.path, "a+")
+        except OSError:
+            return None
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            return holder
+        except OSError as exc:
+            f.close()
+            logging.getLogger(__name__).warning("cannot lock %s (%s): nothing stops a second run in this dir",
+                                                self.path, exc)
+            return None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        f.flush()
+        self._file = f
+        return None
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
 def close_logger(logger: logging.Logger) -> None:
     for h in list(logger.handlers):
         logger.removeHandler(h)

@@ -821,6 +821,8 @@ class DDPTrainer:
             self._build(model, train_dataset, val_dataset, test_dataset, loss_fn, collate_fn,
                         checkpoint_extra, weights_key, count_unit, describe)
         except BaseException:
+            if hasattr(self, "run_lock"):
+                self.run_lock.release()
             if hasattr(self, "log"):  # the traceback into rank_N.log; the console gets the error from the caller
                 record = self.log.makeRecord(self.log.name, logging.ERROR, __file__, 0, "trainer set-up failed",
                                              None, sys.exc_info())
@@ -836,6 +838,11 @@ class DDPTrainer:
     def _build(self, model, train_dataset, val_dataset, test_dataset, loss_fn, collate_fn,
                checkpoint_extra, weights_key, count_unit, describe):
         cfg, env = self.cfg, self.env
+        self.run_lock = rt.RunDirLock(cfg.log_dir)  # released when train() ends; before the logger, so that a
+        holder = rt.broadcast_object(self.run_lock.acquire() if env.is_main else None)  # refused run writes nothing
+        if holder:
+            raise ValueError(f"log_dir {cfg.log_dir} is in use by {holder}: another run trains there (or the "
+                             f"ranks of one whose launcher was killed); stop it, or give this run another run_name")
         self.log = rt.setup_logger(cfg.log_dir, env.rank, cfg.debug)
         self._tb_writer = self._tensorboard_writer() if cfg.tensorboard else None
         self.log.info("rank %d/%d, local_rank %d, device %s, backend %s, timeout %.0fs",
@@ -1640,6 +1647,7 @@ class DDPTrainer:
                 self._tb.close()
             rt.teardown_distributed(synchronize=clean)
             rt.close_logger(self.log)
+            self.run_lock.release()
         return summary
 
     def _stop_loader_workers(self) -> None:

@@ -319,6 +319,17 @@ def test_evaluate_without_a_validation_set_says_so(tmp_path, no_launch_env):
     assert trainer.evaluate(trainer.train_loader)["loss"] > 0
 
 
+def test_a_second_trainer_in_a_run_dir_in_use_is_refused_until_the_first_is_done(tmp_path, no_launch_env):
+    """Two runs in one dir would set each other's states aside; the lock is the kernel's, so it goes with
+    the process that holds it, however that ends."""
+    cfg = {**QUICK, **dirs(tmp_path), "max_steps": 3, "val_interval": 0}
+    first = DDPTrainer(config=cfg)
+    with pytest.raises(ValueError, match=rf"log_dir {tmp_path / 'logs'} is in use by pid {os.getpid()} on "):
+        DDPTrainer(config={**cfg, "checkpoint_dir": str(tmp_path / "other")})
+    assert first.train()["steps"] == 3  # the refused trainer touched nothing of the first's
+    assert DDPTrainer(config={**cfg, "max_steps": 6}).train()["steps"] == 6  # the first let go: resumed
+
+
 def test_nonfinite_loss_skips_the_step_and_gives_up_after_max_bad_steps(tmp_path, no_launch_env):
     from ddp_training import lm_loss
     data = _markov(QUICK)
