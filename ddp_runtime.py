@@ -256,6 +256,10 @@ def write_failure_marker(log_dir, rank: int, step: int, exc: BaseException) -> N
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         (Path(log_dir) / f"{FAILED_PREFIX}{rank}").write_text(json.dumps(record) + "\n")
     except OSError as marker_exc:
+        try:  # a marker cut short would read as one being written: the peers would wait for it
+            (Path(log_dir) / f"{FAILED_PREFIX}{rank}").unlink(missing_ok=True)
+        except OSError:
+            pass  # reported with the write's error just below
         print(f"[rank {rank}] could not write {FAILED_PREFIX}{rank} into {log_dir} ({marker_exc}); "
               f"the other ranks will not see this rank's error: {record['error']}", file=sys.stderr, flush=True)
 

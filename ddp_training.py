@@ -208,8 +208,7 @@ class TrainConfig:
                 raise ValueError(f"config key {key!r} must be >= 1, got {getattr(self, key)}")
         for key in ("num_epochs", "max_steps", "warmup_steps", "num_workers", "val_interval", "patience",
                     "save_interval", "save_every_iters", "keep_states", "memory_check_interval", "cleanup_interval",
-                    "max_errors_per_epoch", "weight_decay", "grad_clip", "min_delta", "first_step_timeout",
-                    "dropout"):
+                    "max_errors_per_epoch", "weight_decay", "grad_clip", "min_delta", "first_step_timeout"):
             if getattr(self, key) < 0:
                 raise ValueError(f"config key {key!r} must be >= 0, got {getattr(self, key)}")
         for key in ("learning_rate", "bucket_cap_mb", "loader_timeout"):
@@ -217,7 +216,7 @@ class TrainConfig:
                 raise ValueError(f"config key {key!r} must be > 0, got {getattr(self, key)}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"config key 'min_lr_ratio' must be in [0, 1], got {self.min_lr_ratio}")
-        for key in ("val_fraction", "test_fraction"):
+        for key in ("val_fraction", "test_fraction", "dropout"):
             if not 0 <= getattr(self, key) < 1:
                 raise ValueError(f"config key {key!r} must be in [0, 1), got {getattr(self, key)}")
         if self.hidden_size % self.num_heads:
@@ -2059,9 +2058,17 @@ def _field_parser(tp):
 
 def config_from_yaml(path: str) -> dict:
     import yaml
+
+    class NoRepeats(yaml.SafeLoader):  # PyYAML keeps the last of two equal keys without a word
+        def construct_mapping(self, node, deep=False):
+            keys = [self.construct_object(k, deep=deep) for k, _ in node.value]
+            if repeated := sorted({str(k) for k in keys if keys.count(k) > 1}):
+                raise yaml.constructor.ConstructorError(None, None, f"the key(s) {', '.join(repeated)} appear more "
+                                                        f"than once", node.start_mark)
+            return super().construct_mapping(node, deep)
     try:
         with open(path) as f:
-            data = yaml.safe_load(f) or {}
+            data = yaml.load(f, Loader=NoRepeats) or {}
     except (OSError, yaml.YAMLError) as exc:
         raise ValueError(f"--config {path}: {exc}") from exc
     if not isinstance(data, dict):

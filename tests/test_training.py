@@ -543,6 +543,8 @@ def test_cli_precedence_defaults_yaml_flags(tmp_path):
     (["--cpu", "--data", "."], "error: ValueError: --data .: is a directory"),
     (["--device", "cuda"], "error: ValueError: --device cuda: CUDA is not available here"),  # CUDA hidden below
     (["--cpu", "--test", "--tensorboard"], "--tensorboard needs the tensorboard package"),
+    (["--config", "dup.yaml"], "error: --config dup.yaml: the key(s) dropout appear more than once"),
+    (["--dropout", "1.5"], "config key 'dropout' must be in [0, 1), got 1.5"),
     (["--cpu", "--log_dir", "empty.txt"],
      "error: ValueError: log_dir empty.txt: cannot write rank_0.log there (FileExistsError"),
     # found at set-up, not at the first save an epoch later
@@ -556,6 +558,7 @@ def test_cli_precedence_defaults_yaml_flags(tmp_path):
 def test_cli_bad_input_exits_2_with_a_clear_message(tmp_path, argv, message):
     (tmp_path / "bad.yaml").write_text("bogus_key: 1\n")
     (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "dup.yaml").write_text("dropout: 0.1\nbatch_size: 8\ndropout: 0.2\n")
     (tmp_path / "runs" / "linked").mkdir(parents=True)
     (tmp_path / "runs" / "linked" / "checkpoints").symlink_to(tmp_path / "empty.txt" / "ck")
     argv = [a.replace("{yaml}", str(tmp_path / "bad.yaml")) for a in argv]
