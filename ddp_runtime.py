@@ -453,48 +453,78 @@ def unwritable_dir(path) -> Optional[str]:
 
 
 class RunDirLock:
-    """An exclusive lock on a run dir (`flock` on `.lock` in it), held by rank 0 while a trainer uses it: two
-    runs in one dir would each set the other's states aside and prune them. The kernel drops it when the
-    process ends, however it ends. A holder is named by what it wrote into the file (pid, host, time)."""
+    """Exclusive locks on a run's dirs (`flock` on `.lock` in each: the log dir and the checkpoint dir), held
+    by rank 0 while a trainer uses them: two runs there would each set the other's states aside and prune
+    them. A holder is named by what it wrote into the file (pid, host, time). The lock dies with the process
+    however it ends: a forked child (a DataLoader worker) closes its copy at once, so that an orphaned
+    worker of a killed rank does not hold it."""
 
     NAME = ".lock"
 
-    def __init__(self, directory):
-        self.path = Path(directory) / self.NAME
-        self._file = None
+    def __init__(self, *directories):
+        unique = {Path(d).resolve(): Path(d) for d in directories}
+        self.paths = [d / self.NAME for d in unique.values()]
+        self._fds: list = []
+        self._pid = os.getpid()
 
     def acquire(self) -> Optional[str]:
-        """Take the lock; None, or who holds it. A file system without locks gets a warning, not a refusal; a
-        dir that cannot be written is left to setup_logger to report."""
+        """Take every lock; None, or who holds one (then none is taken). A file system without locks gets a
+        warning, not a refusal; a dir that cannot be written is left to the set-up checks to report."""
+        for path in self.paths:
+            holder = self._take(path)
+            if holder is not None:
+                self.release()
+                return f"{holder} ({path})"
+        return None
+
+    def _take(self, path: Path) -> Optional[str]:
         import fcntl
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            f = open(self.path, "a+")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError:
             return None
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "another process"
-            f.close()
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
             return holder
         except OSError as exc:
-            f.close()
-            logging.getLogger(__name__).warning("cannot lock %s (%s): nothing stops a second run in this dir",
-                                                self.path, exc)
+            os.close(fd)
+            logging.getLogger(__name__).warning("cannot lock %s (%s): nothing stops a second run there", path, exc)
             return None
-        f.seek(0)
-        f.truncate()
-        f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-        f.flush()
-        self._file = f
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                      f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+        self._fds.append(fd)
+        _HELD_LOCK_FDS.add(fd)
         return None
 
     def release(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        import fcntl
+        if os.getpid() != self._pid:  # a forked child: its copies were closed at the fork
+            return
+        for fd in self._fds:
+            _HELD_LOCK_FDS.discard(fd)
+            fcntl.flock(fd, fcntl.LOCK_UN)  # also for a child that may still share it
+            os.close(fd)
+        self._fds = []
+
+
+_HELD_LOCK_FDS: set = set()
+
+
+def _close_held_locks_in_child() -> None:
+    for fd in _HELD_LOCK_FDS:
+        try:
+            os.close(fd)
+        except OSError:
+            pass  # nothing to close: the lock is the parent's either way
+    _HELD_LOCK_FDS.clear()
+
+
+os.register_at_fork(after_in_child=_close_held_locks_in_child)
 
 
 def close_logger(logger: logging.Logger) -> None:
@@ -1110,6 +1140,10 @@ class CheckpointError(RuntimeError):
     pass
 
 
+class CheckpointWriteHung(CheckpointError):
+    """A background write still running when every rank stops waiting for it (a hung file system)."""
+
+
 def bad_run_name(name: str) -> Optional[str]:
     """Why `name` cannot name a run dir under the scripts' own parent dir (None if it can): an absolute
     path or a '..' would put the run, and the states a relaunch resumes, somewhere else."""
@@ -1352,6 +1386,7 @@ class CheckpointWriter:
         self.background = background
         self.pin = pin
         self.wait_s = wait_s  # how long flush() waits for the writes on rank 0 (None: as long as they take)
+        self._hung = False
         self._told_pageable = False
         self.log = log or logging.getLogger(__name__)
         self.is_writer = not dist.is_initialized() or dist.get_rank() == 0
@@ -1378,8 +1413,9 @@ class CheckpointWriter:
             try:
                 self.flush()
             except (CheckpointError, Rank0Failed) as exc:
-                if isinstance(exc, Rank0Failed) and exc.kind != CheckpointError.__name__:
-                    raise
+                if isinstance(exc, CheckpointWriteHung) or (isinstance(exc, Rank0Failed)
+                                                            and exc.kind != CheckpointError.__name__):
+                    raise  # a write that hangs: one queued behind it would hang too
                 # an earlier save point's write failed: this one's files replace it, and the caller waits for
                 # them (DDPTrainer: before the next step), so that a passing failure loses no work
                 self.log.error("%s; the files of this save point replace it", exc)
@@ -1447,11 +1483,11 @@ class CheckpointWriter:
         running after `timeout_s` (a hung filesystem) is abandoned: its temp file never replaces anything."""
         if self._thread is not None:
             self._jobs.put(None)
-            self._thread.join(timeout_s)
+            self._thread.join(0 if self._hung else timeout_s)  # a hung one: flush() has waited for it already
             if self._thread.is_alive():
-                self.log.error("a checkpoint write did not finish within %g s; leaving it (the previous "
-                               "files are intact)", timeout_s)
-                return CheckpointError(f"a checkpoint write did not finish within {timeout_s:g} s")
+                what = "is still hung" if self._hung else f"did not finish within {timeout_s:g} s"
+                self.log.error("a checkpoint write %s; leaving it (the previous files are intact)", what)
+                return CheckpointError(f"a checkpoint write {what}")
             self._thread = None
         with self._lock:
             self._memo = {}
@@ -1462,8 +1498,9 @@ class CheckpointWriter:
             if not self._idle.wait_for(lambda: self._pending == 0, self.wait_s):
                 # the other ranks stop waiting for this one after as long (dist_timeout): a hung file system
                 # becomes an error on every rank; the write is left, and never replaces the previous files
-                raise CheckpointError(f"a checkpoint write did not finish within {self.wait_s:g} s (a hung file "
-                                      f"system?); the files written before it are intact")
+                self._hung = True
+                raise CheckpointWriteHung(f"a checkpoint write did not finish within {self.wait_s:g} s (a hung "
+                                          f"file system?); the files written before it are intact")
         if self._error is not None:
             error, self._error = self._error, None
             raise error

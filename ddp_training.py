@@ -837,11 +837,16 @@ class DDPTrainer:
     def _build(self, model, train_dataset, val_dataset, test_dataset, loss_fn, collate_fn,
                checkpoint_extra, weights_key, count_unit, describe):
         cfg, env = self.cfg, self.env
-        self.run_lock = rt.RunDirLock(cfg.log_dir)  # released when train() ends; before the logger, so that a
-        holder = rt.broadcast_object(self.run_lock.acquire() if env.is_main else None)  # refused run writes nothing
+        # released when train() ends (or by close()); before the logger, so that a refused run writes nothing
+        self.run_lock = rt.RunDirLock(cfg.log_dir, cfg.checkpoint_dir)
+        holder = rt.broadcast_object(self.run_lock.acquire() if env.is_main else None)
         if holder:
-            raise ValueError(f"log_dir {cfg.log_dir} is in use by {holder}: another run trains there (or the "
-                             f"ranks of one whose launcher was killed); stop it, or give this run another run_name")
+            whose = (f"this process: another DDPTrainer on these dirs has not finished train(); call its close() "
+                     f"or drop it" if holder.startswith(f"pid {os.getpid()} on {socket.gethostname()} ") else
+                     "another run (or the ranks of one whose launcher was killed); stop it, or give this run "
+                     "another run_name")
+            raise ValueError(f"the run dirs (log_dir {cfg.log_dir}, checkpoint_dir {cfg.checkpoint_dir}) are in use "
+                             f"by {holder}: {whose}")
         self.log = rt.setup_logger(cfg.log_dir, env.rank, cfg.debug)
         self._tb_writer = self._tensorboard_writer() if cfg.tensorboard else None
         self.log.info("rank %d/%d, local_rank %d, device %s, backend %s, timeout %.0fs",
@@ -849,7 +854,8 @@ class DDPTrainer:
                       cfg.dist_timeout)
         problem = rt.broadcast_object(rt.unwritable_dir(cfg.checkpoint_dir) if env.is_main else None)
         if problem:  # rank 0 writes every checkpoint: all ranks stop on its answer
-            raise ValueError(f"checkpoint_dir {cfg.checkpoint_dir}: cannot write checkpoints there ({problem})")
+            raise ValueError(f"checkpoint_dir {cfg.checkpoint_dir}: cannot write checkpoints there ({problem}); "
+                             f"a state elsewhere still resumes with resume=PATH")
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
@@ -1649,6 +1655,12 @@ class DDPTrainer:
             self.run_lock.release()
         return summary
 
+    def close(self) -> None:
+        """For a trainer that will not train (built to evaluate, say): stop its loader workers and let go of its
+        run dirs, which train() does when it ends."""
+        self._stop_loader_workers()
+        self.run_lock.release()
+
     def _stop_loader_workers(self) -> None:
         """In train()'s cleanup: a failure here is reported, never raised over the run's own outcome."""
         for loader in (self.train_loader, self.val_loader, self.test_loader):
@@ -2061,6 +2073,7 @@ def config_from_yaml(path: str) -> dict:
 
     class NoRepeats(yaml.SafeLoader):  # PyYAML keeps the last of two equal keys without a word
         def construct_mapping(self, node, deep=False):
+            self.flatten_mapping(node)  # merge keys (<<: *anchor) first, as SafeLoader does
             keys = [self.construct_object(k, deep=deep) for k, _ in node.value]
             if repeated := sorted({str(k) for k in keys if keys.count(k) > 1}):
                 raise yaml.constructor.ConstructorError(None, None, f"the key(s) {', '.join(repeated)} appear more "

@@ -482,6 +482,43 @@ def test_atomic_save_roundtrip_and_hash(tmp_path):
         rt.load_checkpoint(path)
 
 
+def test_a_run_dir_lock_dies_with_its_process_not_with_the_children_it_forked(tmp_path):
+    """A rank killed outright while its forked DataLoader workers linger (they exit seconds later) must not
+    leave the dir locked for a relaunch, and release() lets go even while such a child lives."""
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import os, sys, time
+sys.path.insert(0, {str(REPO)!r})
+import ddp_runtime as rt
+lock = rt.RunDirLock({str(tmp_path)!r})
+assert lock.acquire() is None
+if os.fork() == 0:  # a worker that outlives its rank
+    time.sleep(30)
+    os._exit(0)
+print("locked", flush=True)
+time.sleep(30)
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        lock = rt.RunDirLock(tmp_path)
+        assert lock.acquire().startswith(f"pid {holder.pid} on ")
+        holder.kill()
+        holder.wait(10)
+        assert lock.acquire() is None  # the forked child, still asleep, holds nothing
+        if (child := os.fork()) == 0:
+            time.sleep(30)
+            os._exit(0)
+        lock.release()
+        other = rt.RunDirLock(tmp_path)
+        assert other.acquire() is None  # released, though this process's child lives on
+        other.release()
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+    finally:
+        holder.kill()
+        for p in psutil.Process().children(recursive=True):
+            p.kill()
+
+
 def test_a_failure_marker_that_cannot_be_written_says_so_and_lets_the_error_through(tmp_path, capsys):
     rt.write_failure_marker(tmp_path / "logs", 1, 7, ValueError("bad"))
     assert json.loads((tmp_path / "logs" / "FAILED_rank_1").read_text()) == {"rank": 1, "step": 7,
@@ -648,12 +685,16 @@ def test_flush_gives_up_on_a_write_that_hangs_after_wait_s(tmp_path, monkeypatch
     writer = rt.CheckpointWriter(background=True, wait_s=0.5)
     writer.save({"w": torch.ones(2)}, tmp_path / "a.pt", group=1)
     t0 = time.monotonic()
-    with pytest.raises(rt.CheckpointError, match=r"a checkpoint write did not finish within 0.5 s \(a hung file "):
+    with pytest.raises(rt.CheckpointWriteHung, match=r"a checkpoint write did not finish within 0.5 s \(a hung "):
         writer.flush()
     assert 0.5 <= time.monotonic() - t0 < 5
+    # the next save point does not queue its files behind the hung write (and wait for it again): it stops
+    with pytest.raises(rt.CheckpointWriteHung):
+        writer.save({"w": torch.ones(2)}, tmp_path / "b.pt", group=2)
+    t0 = time.monotonic()
+    assert str(writer.close(timeout_s=30)) == "a checkpoint write is still hung"
+    assert time.monotonic() - t0 < 5  # not another 30 s
     release.set()
-    writer.flush()  # the write came back: nothing pending
-    assert writer.close(timeout_s=5) is None
 
 
 def test_failed_write_keeps_previous_checkpoint(tmp_path, monkeypatch):

@@ -324,10 +324,14 @@ def test_a_second_trainer_in_a_run_dir_in_use_is_refused_until_the_first_is_done
     the process that holds it, however that ends."""
     cfg = {**QUICK, **dirs(tmp_path), "max_steps": 3, "val_interval": 0}
     first = DDPTrainer(config=cfg)
-    with pytest.raises(ValueError, match=rf"log_dir {tmp_path / 'logs'} is in use by pid {os.getpid()} on "):
-        DDPTrainer(config={**cfg, "checkpoint_dir": str(tmp_path / "other")})
-    assert first.train()["steps"] == 3  # the refused trainer touched nothing of the first's
-    assert DDPTrainer(config={**cfg, "max_steps": 6}).train()["steps"] == 6  # the first let go: resumed
+    for other in ({"checkpoint_dir": str(tmp_path / "other")}, {"log_dir": str(tmp_path / "other")}):
+        with pytest.raises(ValueError, match=rf"are in use by pid {os.getpid()} on .*: this process: another "
+                                             rf"DDPTrainer on these dirs has not finished train\(\); call its close"):
+            DDPTrainer(config={**cfg, **other})
+    assert first.train()["steps"] == 3  # the refused trainers touched nothing of the first's
+    second = DDPTrainer(config={**cfg, "max_steps": 6})  # the first let go
+    second.close()  # so does one that will not train
+    assert DDPTrainer(config={**cfg, "max_steps": 6}).train()["steps"] == 6  # resumed
 
 
 def test_nonfinite_loss_skips_the_step_and_gives_up_after_max_bad_steps(tmp_path, no_launch_env):
