@@ -841,8 +841,8 @@ class DDPTrainer:
         self.run_lock = rt.RunDirLock(cfg.log_dir, cfg.checkpoint_dir)
         holder = rt.broadcast_object(self.run_lock.acquire() if env.is_main else None)
         if holder:
-            whose = (f"this process: another DDPTrainer on these dirs has not finished train(); call its close() "
-                     f"or drop it" if holder.startswith(f"pid {os.getpid()} on {socket.gethostname()} ") else
+            whose = ("this process: another DDPTrainer on these dirs has not finished train(); call its close() "
+                     "or drop it" if holder.startswith(f"pid {os.getpid()} on {socket.gethostname()} ") else
                      "another run (or the ranks of one whose launcher was killed); stop it, or give this run "
                      "another run_name")
             raise ValueError(f"the run dirs (log_dir {cfg.log_dir}, checkpoint_dir {cfg.checkpoint_dir}) are in use "
