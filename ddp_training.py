@@ -520,6 +520,7 @@ def file_lm_data(cfg: TrainConfig) -> LMData:
 # Token data up to this size is hashed whole (about a second); larger data by FINGERPRINT_WINDOWS windows
 FINGERPRINT_FULL_BYTES = 1 << 28
 FINGERPRINT_WINDOWS = 4096
+USER_FINGERPRINT = "user:"  # DDPTrainer(data_fingerprint=...): compared as given
 FINGERPRINT_VERSION = "2:"  # the first kind (before 26 Nov 2026): bare hex of the first and last window
 
 
@@ -811,9 +812,11 @@ class DDPTrainer:
                  train_dataset=None, val_dataset=None, test_dataset=None,
                  loss_fn: Optional[LossFn] = None, collate_fn=None,
                  checkpoint_extra: Optional[dict] = None, weights_key: str = "model",
-                 count_unit: str = "tokens", describe: Optional[str] = None):
+                 count_unit: str = "tokens", describe: Optional[str] = None, data_fingerprint: Optional[str] = None):
         self.cfg = TrainConfig.from_dict(config)
         cfg = self.cfg
+        # a user's dataset may be costly or random to read: its owner says what identifies it, if anything
+        self.data_fingerprint = None if data_fingerprint is None else USER_FINGERPRINT + data_fingerprint
         self.env = rt.setup_distributed(rank, world_size, local_rank, cfg.dist_backend, cfg.device,
                                         max(cfg.dist_timeout, cfg.first_step_timeout))
         try:
@@ -861,7 +864,6 @@ class DDPTrainer:
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
 
         self.data_info: dict = {}
-        self.data_fingerprint = None  # of the built-in data only: a user's dataset may be costly or random to read
         builtin_data = model is None
         if builtin_data:
             model, (train_dataset, val_dataset, test_dataset) = self._builtin_lm()
@@ -1371,8 +1373,9 @@ class DDPTrainer:
                 "data_fingerprint": self.data_fingerprint}
 
     def _check_data_fingerprint(self, saved, path: Path) -> None:
-        """The built-in training data of a state must be this run's: another file, or synthetic data drawn
-        otherwise (the streams changed on 25 Nov 2026), would go on unnoticed."""
+        """The training data of a state must be this run's (the built-in data's, or what data_fingerprint= gave):
+        another file, or synthetic data drawn otherwise (the streams changed on 25 Nov 2026), would go on
+        unnoticed."""
         if self.data_fingerprint is None or saved is None:
             return
         if saved == "absent":
@@ -1380,7 +1383,8 @@ class DDPTrainer:
                              "cannot be checked (synthetic data is drawn otherwise since 25 Nov 2026)", path)
             return
         ours = self.data_fingerprint
-        if not saved.startswith(FINGERPRINT_VERSION):  # a state of the first kind: compared the way it was made
+        if not saved.startswith((FINGERPRINT_VERSION, USER_FINGERPRINT)) and not ours.startswith(USER_FINGERPRINT):
+            # a state of the first kind: compared the way it was made
             ours = first_kind_fingerprint(self.train_dataset)
         if saved != ours:
             raise StateMismatch(f"{path} was written while training on other data (fingerprint {saved}, this run's "

@@ -21,6 +21,7 @@ descriptor's position, so fork-started DataLoader workers can share what the par
 """
 
 import bisect
+import hashlib
 import math
 import os
 import struct
@@ -439,6 +440,16 @@ class VJ2TrajectoryDataset(Dataset):
             return lru_get(self._open, f, self.max_open_files, lambda: StoredFile(info)).read(key, row, dtype)
         arrays = lru_get(self._loaded, f, self.cache_files, lambda: load_file(info))
         return np.array(arrays[KEYS.index(key)][row], dtype=dtype)
+
+    def fingerprint(self):
+        """Of every file's name and its members' sizes and CRC-32s, read from the zip directory (no data is
+        read): another data set, or a file changed since, gives another."""
+        h = hashlib.sha256()
+        for info in self.infos:
+            with zipfile.ZipFile(info.path) as z:
+                members = sorted((m.filename, m.file_size, m.CRC) for m in z.infolist())
+            h.update(repr((info.path.relative_to(self.data_dir).as_posix(), members)).encode())
+        return h.hexdigest()[:16]
 
     def summary(self):
         return (f"{self.data_dir}: {len(self.files)} files, {len(self)} trajectories, "

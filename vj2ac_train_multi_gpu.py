@@ -429,7 +429,7 @@ def set_up(args, launch, cfg):
                              loss_fn=partial(vj2_loss, rollout_horizon=args.rollout_horizon),
                              checkpoint_extra={"predictor_config": predictor.config,
                                                "rollout_horizon": args.rollout_horizon}, weights_key="predictor",
-                             count_unit="samples", describe=describe)
+                             count_unit="samples", describe=describe, data_fingerprint=train_set.fingerprint())
     except (ValueError, rt.CheckpointError) as exc:  # e.g. fewer trajectories per rank than --batch_size
         raise BadInput(str(exc)) from exc
     env = trainer.env

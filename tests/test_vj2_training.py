@@ -322,6 +322,21 @@ def test_evaluate_scores_the_loss_the_run_trained_with(tmp_path, no_launch_env, 
     assert "a resumable training state, not a predictor checkpoint; evaluate a weights file" in capsys.readouterr().err
 
 
+def test_resuming_on_other_data_is_refused(tmp_path, no_launch_env, capsys):
+    """The states carry a fingerprint of the training files (names, member sizes and CRC-32s): a run dir
+    resumed on another data set of the same size and geometry is refused, not trained on unnoticed."""
+    make_vj2_data(tmp_path, 1, 8, 8)
+    gen.generate(tmp_path / "other", num_files=1, trajectories_per_file=8, seed=5)
+    common = ["--validation_data_dir", str(tmp_path / "val"), "--device", "cpu", "--preset", "tiny",
+              "--checkpoint_dir", str(tmp_path / "ckpt"), "--val_every_iters", "0"]
+    assert vj2.main([*common, "--processed_data_dir", str(tmp_path / "train"), "--max_steps", "2"]) == 0
+    capsys.readouterr()
+    assert vj2.main([*common, "--processed_data_dir", str(tmp_path / "other"), "--max_steps", "4"]) == 2
+    assert "was written while training on other data" in capsys.readouterr().err
+    assert vj2.main([*common, "--processed_data_dir", str(tmp_path / "train"), "--max_steps", "4"]) == 0  # its own
+    assert torch.load(tmp_path / "ckpt" / "vjepa2_final.pt", weights_only=True)["global_step"] == 4
+
+
 @pytest.mark.multi
 def test_rollout_horizon_longer_than_the_data_fails_fast_on_both_ranks(tmp_path):
     gen.generate(tmp_path / "short", num_files=1, trajectories_per_file=8, steps=2)
