@@ -1106,16 +1106,27 @@ class SetUpWatch:
             self._ending.release()
             return
         name = signal.Signals(signum).name
-        where = ""
-        if self.log_dir is not None:
+        where, code = "", EXIT_PREEMPTED
+        holder = self._other_holder()
+        if holder is not None:  # a run refused there, or about to be: the marker would be the other run's
+            where, code = f"; {self.log_dir} is in use by {holder}: no marker there", 1
+        elif self.log_dir is not None:
             record = {"step": None, "signal": name, "stopped_during": "set-up"}
             try:
                 where = f"; marker {write_preempted_marker(self.log_dir, record)}"
             except OSError as exc:
                 where = f"; could not write the PREEMPTED marker into {self.log_dir}: {exc}"
         os.write(2, (f"{name} {self.grace_s:g}s ago and set-up has not finished (a peer that never joined?): "
-                     f"nothing was trained here, exiting {EXIT_PREEMPTED}{where}\n").encode())
-        os._exit(EXIT_PREEMPTED)
+                     f"nothing was trained here, exiting {code}{where}\n").encode())
+        os._exit(code)
+
+    def _other_holder(self) -> Optional[str]:
+        """Who else holds the run dir's lock (None: nobody, or this process's trainer)."""
+        if self.log_dir is None:
+            return None
+        holder = RunDirLock(self.log_dir).acquire()  # held until os._exit: the marker is written under it
+        mine = f"pid {os.getpid()} on {socket.gethostname()} "
+        return None if holder is None or holder.startswith(mine) else holder
 
     def __exit__(self, *exc) -> None:
         if self._previous_fd is None:

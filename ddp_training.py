@@ -1705,6 +1705,8 @@ class DDPTrainer:
         self.log.info("this run already finished (%s at step %d, see %s): nothing to do; resume none or another "
                       "run_name starts a new one", summary["status"], summary["steps"],
                       Path(self.cfg.log_dir) / COMPLETED_MARKER)
+        # rewritten with this launch's id (launch_training.sh): a stop that comes now finds the run complete
+        rt.run_on_rank0(self._write_completed_marker, summary, what="writing the COMPLETED marker")
         return {**summary, "already_complete": True}
 
     def _write_completed_marker(self, summary: dict) -> None:

@@ -288,6 +288,14 @@ new_marker() {  # new_marker PREEMPTED|COMPLETED: this launch's marker of that n
     done < <(marker_dirs)
 }
 
+started_training() {  # the trainers start metrics.jsonl when training begins, after set-up
+    local dir
+    while IFS= read -r dir; do
+        [[ -n "$dir" && -f "$dir/metrics.jsonl" && "$dir/metrics.jsonl" -nt "$stamp" ]] && return 0
+    done < <(marker_dirs)
+    return 1
+}
+
 # Forward the first signal only. torchrun restarts its shutdown wait on a second stop signal and, on a
 # third, gives up on its workers mid-save and exits (torch 2.13, elastic agent run()); repeated Ctrl-C or a
 # scheduler's warning and final signals must not get there.
@@ -339,7 +347,9 @@ while kill -0 "$child" 2>/dev/null; do wait "$child" || true; done
 status=0
 wait "$child" || status=$?
 
-if (( status != 0 )); then
+# Only a stop that this launcher passed on is a preemption: torchrun also sends SIGTERM to the other ranks
+# when one fails, and a rank still in set-up then writes a marker too (see rt.SetUpWatch).
+if (( status != 0 )) && [[ -n "$forwarded" ]]; then
     marker=$(new_marker PREEMPTED)
     if [[ -n "$marker" ]]; then
         echo "launch_training.sh: the run was preempted ($marker: $(head -c 300 "$marker" | tr -d '\n'));" \
@@ -347,14 +357,18 @@ if (( status != 0 )); then
         exit 75
     fi
     marker=$(new_marker COMPLETED)
-    if [[ -n "$marker" && -n "$forwarded" ]]; then
+    if [[ -n "$marker" ]]; then
         echo "launch_training.sh: the run completed ($marker) before SIG$forwarded could stop it;" \
              "torchrun's status $status was its answer to the signal: exiting 0" >&2
         exit 0
     fi
-    if [[ -n "$forwarded" ]]; then
-        echo "launch_training.sh: stopped by SIG$forwarded, but no PREEMPTED marker newer than the launch in:" \
-             "$(marker_dirs | tr '\n' ' ')(pass -l when a --config sets the log dir)" >&2
+    if ! started_training; then  # the ranks died of it while importing torch, before they had a handler
+        echo "launch_training.sh: stopped by SIG$forwarded before any rank began training (no metrics.jsonl" \
+             "newer than the launch in: $(marker_dirs | tr '\n' ' ')): nothing to save; exiting 75 (pass -l when a" \
+             "--config sets the log dir)" >&2
+        exit 75
     fi
+    echo "launch_training.sh: stopped by SIG$forwarded, but no PREEMPTED marker newer than the launch in:" \
+         "$(marker_dirs | tr '\n' ' ')(pass -l when a --config sets the log dir)" >&2
 fi
 exit "$status"

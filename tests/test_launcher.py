@@ -206,6 +206,9 @@ def test_the_default_script_is_found_from_any_directory(tmp_path, fake_bin):
 MARKER = 'printf \'{"step": 7, "launch_id": "%s"}\\n\' "$DDP_KIT_LAUNCH_ID"'
 
 
+IDLE = "while :; do sleep 0.1; done"  # a fake torchrun that waits to be stopped
+
+
 def write_marker(path: Path, step: int = 7) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"step": step}) + "\n")
@@ -223,10 +226,27 @@ def write_marker(path: Path, step: int = 7) -> None:
     (["--script", "vj2ac_train_multi_gpu.py", "--", "--run_name", "v/1"], "checkpoints/v/1"),
 ])
 def test_a_failed_torchrun_with_a_new_marker_exits_75(tmp_path, fake_bin, argv, log_dir):
-    r = launch(["--cpu", *argv], tmp_path, fake_bin, FAKE_TORCHRUN_THEN=f"mkdir -p {log_dir} && {MARKER} "
-                                                                      f"> {log_dir}/PREEMPTED; exit 1")
+    # the launcher gets the stop and passes it on; the ranks save and leave the marker; torchrun exits 1
+    r = launch(["--cpu", *argv], tmp_path, fake_bin, FAKE_TORCHRUN_THEN=(
+        f"save() {{ mkdir -p {log_dir} && {MARKER} > {log_dir}/PREEMPTED; exit 1; }}; trap save TERM; "
+        f"kill -TERM $PPID; {IDLE}"))
     assert r.returncode == EXIT_PREEMPTED, r.stdout
     assert f"the run was preempted ({log_dir}/PREEMPTED" in r.stdout and "relaunch" in r.stdout
+
+
+def test_a_marker_without_a_stop_is_no_preemption_and_a_stop_before_training_is(tmp_path, fake_bin):
+    """torchrun sends SIGTERM to the other ranks when one fails; one still in set-up writes a marker after its
+    grace (rt.SetUpWatch). With no stop passed on by the launcher, that is the failure it is: no requeue."""
+    r = launch(["--cpu"], tmp_path, fake_bin, FAKE_TORCHRUN_THEN=f"mkdir -p runs/lm && {MARKER} > runs/lm/PREEMPTED;"
+                                                                 " exit 1")
+    assert r.returncode == 1 and "preempted" not in r.stdout, r.stdout
+    # a stop while the ranks still import torch kills them (no handler yet): nothing trained, a preemption
+    r = launch(["--cpu"], tmp_path, fake_bin, FAKE_TORCHRUN_THEN=f"trap 'exit 1' TERM; kill -TERM $PPID; {IDLE}")
+    assert r.returncode == EXIT_PREEMPTED and "before any rank began training" in r.stdout, r.stdout
+    # ...but once training has begun (metrics.jsonl), a stop that leaves no marker is a failure
+    r = launch(["--cpu"], tmp_path, fake_bin, FAKE_TORCHRUN_THEN=(
+        f"mkdir -p runs/lm && touch runs/lm/metrics.jsonl; trap 'exit 1' TERM; kill -TERM $PPID; {IDLE}"))
+    assert r.returncode == 1 and "but no PREEMPTED marker newer than the launch" in r.stdout, r.stdout
 
 
 def test_an_old_marker_or_a_clean_exit_is_not_a_preemption(tmp_path, fake_bin):

@@ -449,6 +449,22 @@ def test_a_stop_received_before_the_watch_starts_its_grace(tmp_path):
     assert json.loads((tmp_path / "PREEMPTED").read_text())["signal"] == "SIGUSR1"
 
 
+def test_a_set_up_that_gives_up_writes_no_marker_into_a_run_dir_another_run_holds(tmp_path):
+    """A second launch into a run dir in use, stopped in its set-up (torchrun tearing it down after a peer
+    failed): its marker would tell the first run's requeue script to requeue a run that finished."""
+    lock = rt.RunDirLock(tmp_path)
+    assert lock.acquire() is None
+    try:
+        code = (f"import signal, sys, time; sys.path.insert(0, {str(REPO)!r}); import ddp_runtime as rt\n"
+                f"with rt.SetUpWatch(grace_s=0.5, log_dir={str(tmp_path)!r}, received=signal.SIGTERM):\n"
+                f"    time.sleep(60)\n")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    finally:
+        lock.release()
+    assert r.returncode == 1 and f"is in use by pid {os.getpid()} on " in r.stderr and "no marker there" in r.stderr
+    assert not (tmp_path / "PREEMPTED").exists()
+
+
 def test_the_set_up_grace_comes_from_the_environment_and_a_bad_value_names_it(monkeypatch):
     monkeypatch.delenv("SETUP_STOP_GRACE_S", raising=False)
     assert rt.SetUpWatch().grace_s == rt.SETUP_STOP_GRACE_S == 20
