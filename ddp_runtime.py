@@ -467,17 +467,18 @@ class RunDirLock:
         self._fds: list = []
         self._pid = os.getpid()
 
-    def acquire(self) -> Optional[str]:
+    def acquire(self, note: str = "") -> Optional[str]:
         """Take every lock; None, or who holds one (then none is taken). A file system without locks gets a
-        warning, not a refusal; a dir that cannot be written is left to the set-up checks to report."""
+        warning, not a refusal; a dir that cannot be written is left to the set-up checks to report. `note`
+        follows the holder's pid, host and time in the file."""
         for path in self.paths:
-            holder = self._take(path)
+            holder = self._take(path, note)
             if holder is not None:
                 self.release()
                 return f"{holder} ({path})"
         return None
 
-    def _take(self, path: Path) -> Optional[str]:
+    def _take(self, path: Path, note: str) -> Optional[str]:
         import fcntl
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -496,7 +497,7 @@ class RunDirLock:
             return None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
-                      f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+                      f"{time.strftime('%Y-%m-%d %H:%M:%S')}{note}\n".encode(), 0)
         self._fds.append(fd)
         _HELD_LOCK_FDS.add(fd)
         return None
@@ -1120,13 +1121,16 @@ class SetUpWatch:
                      f"nothing was trained here, exiting {code}{where}\n").encode())
         os._exit(code)
 
+    GIVING_UP = " (stopping in set-up)"
+
     def _other_holder(self) -> Optional[str]:
-        """Who else holds the run dir's lock (None: nobody, or this process's trainer)."""
+        """Who else holds the run dir's lock: None for nobody, this process's trainer, or a peer rank that
+        gives up too (it writes the same marker)."""
         if self.log_dir is None:
             return None
-        holder = RunDirLock(self.log_dir).acquire()  # held until os._exit: the marker is written under it
+        holder = RunDirLock(self.log_dir).acquire(self.GIVING_UP)  # held until os._exit: the marker is under it
         mine = f"pid {os.getpid()} on {socket.gethostname()} "
-        return None if holder is None or holder.startswith(mine) else holder
+        return None if holder is None or holder.startswith(mine) or self.GIVING_UP in holder else holder
 
     def __exit__(self, *exc) -> None:
         if self._previous_fd is None:

@@ -463,6 +463,14 @@ def test_a_set_up_that_gives_up_writes_no_marker_into_a_run_dir_another_run_hold
         lock.release()
     assert r.returncode == 1 and f"is in use by pid {os.getpid()} on " in r.stderr and "no marker there" in r.stderr
     assert not (tmp_path / "PREEMPTED").exists()
+    # a peer rank of the same run that gives up in set-up too holds it for the same marker: not another run
+    peer = rt.RunDirLock(tmp_path)
+    assert peer.acquire(rt.SetUpWatch.GIVING_UP) is None
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    finally:
+        peer.release()
+    assert r.returncode == rt.EXIT_PREEMPTED and (tmp_path / "PREEMPTED").exists(), r.stderr
 
 
 def test_the_set_up_grace_comes_from_the_environment_and_a_bad_value_names_it(monkeypatch):
