@@ -452,6 +452,13 @@ def unwritable_dir(path) -> Optional[str]:
     return None
 
 
+def run_identity() -> str:
+    """What the ranks of one multi-process run share and another run beside it does not (its rendezvous
+    address), as the run-dir lock notes it; '' for a single process."""
+    port = os.environ.get("MASTER_PORT")
+    return f" [run at {os.environ.get('MASTER_ADDR', '')}:{port}]" if port else ""
+
+
 class RunDirLock:
     """Exclusive locks on a run's dirs (`flock` on `.lock` in each: the log dir and the checkpoint dir), held
     by rank 0 while a trainer uses them: two runs there would each set the other's states aside and prune
@@ -1124,13 +1131,14 @@ class SetUpWatch:
     GIVING_UP = " (stopping in set-up)"
 
     def _other_holder(self) -> Optional[str]:
-        """Who else holds the run dir's lock: None for nobody, this process's trainer, or a peer rank that
-        gives up too (it writes the same marker)."""
+        """Who else holds the run dir's lock: None for nobody, this process's trainer, or a rank of this
+        same run (its trainer, or one that gives up too and writes the same marker)."""
         if self.log_dir is None:
             return None
-        holder = RunDirLock(self.log_dir).acquire(self.GIVING_UP)  # held until os._exit: the marker is under it
+        run = run_identity()
+        holder = RunDirLock(self.log_dir).acquire(self.GIVING_UP + run)  # held until os._exit: the marker is under it
         mine = f"pid {os.getpid()} on {socket.gethostname()} "
-        return None if holder is None or holder.startswith(mine) or self.GIVING_UP in holder else holder
+        return None if holder is None or holder.startswith(mine) or (run and run in holder) else holder
 
     def __exit__(self, *exc) -> None:
         if self._previous_fd is None:

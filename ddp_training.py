@@ -842,7 +842,7 @@ class DDPTrainer:
         cfg, env = self.cfg, self.env
         # released when train() ends (or by close()); before the logger, so that a refused run writes nothing
         self.run_lock = rt.RunDirLock(cfg.log_dir, cfg.checkpoint_dir)
-        holder = rt.broadcast_object(self.run_lock.acquire() if env.is_main else None)
+        holder = rt.broadcast_object(self.run_lock.acquire(rt.run_identity()) if env.is_main else None)
         if holder:
             whose = ("this process: another DDPTrainer on these dirs has not finished train(); call its close() "
                      "or drop it" if holder.startswith(f"pid {os.getpid()} on {socket.gethostname()} ") else

@@ -463,11 +463,13 @@ def test_a_set_up_that_gives_up_writes_no_marker_into_a_run_dir_another_run_hold
         lock.release()
     assert r.returncode == 1 and f"is in use by pid {os.getpid()} on " in r.stderr and "no marker there" in r.stderr
     assert not (tmp_path / "PREEMPTED").exists()
-    # a peer rank of the same run that gives up in set-up too holds it for the same marker: not another run
+    # a rank of the same run (its rendezvous address) holds it, rank 0's trainer or a peer giving up too: the
+    # marker is this run's, and every rank that gives up exits 75
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29123"}
     peer = rt.RunDirLock(tmp_path)
-    assert peer.acquire(rt.SetUpWatch.GIVING_UP) is None
+    assert peer.acquire(" [run at 127.0.0.1:29123]") is None
     try:
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, env=env)
     finally:
         peer.release()
     assert r.returncode == rt.EXIT_PREEMPTED and (tmp_path / "PREEMPTED").exists(), r.stderr
