@@ -135,25 +135,29 @@ def test_dispatch_with_a_stuck_rank_0_names_the_timeout_not_bad_data(tmp_path):
 class BrokenStream(torch.utils.data.IterableDataset):
     """A source whose first read fails: no batch has loaded yet that could stand in for it."""
 
+    def __init__(self, base):
+        self.base = base  # never read
+
     def __iter__(self):
         raise ConnectionError("the bucket is gone")
         yield
 
 
-def _broken_stream(rank, world_size, root):
+def _stream_outcome(rank, world_size, root, stream_class):
+    """How 3 dispatched steps over `stream_class(training windows)` end on this rank."""
     data = synthetic_lm_data(TrainConfig.from_dict(CFG))
     cfg = {**CFG, "data_strategy": "dispatch", "max_steps": 3, "log_dir": str(Path(root) / "logs"),
            "checkpoint_dir": str(Path(root) / "ckpt")}
     try:
         DDPTrainer(rank=rank, world_size=world_size, config=cfg, model=CausalLM(64, 32, 1, 2, 16),
-                   train_dataset=BrokenStream(), val_dataset=data.val).train()
+                   train_dataset=stream_class(data.train), val_dataset=data.val).train()
         return "completed"
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
 
 
 def test_a_stream_that_fails_at_its_first_read_fails_step_1_on_every_rank_naming_the_error(tmp_path):
-    errors = spawn(_broken_stream, 2, str(tmp_path), timeout=90)
+    errors = spawn(_stream_outcome, 2, str(tmp_path), BrokenStream, timeout=90)
     for rank, error in enumerate(errors):
         assert error == (f"StepFailed: step 1: BatchLoadError: ConnectionError: the bucket is gone (read by rank 0 "
                          f"for rank {rank}, data_strategy dispatch); no batch of the stream has loaded yet to stand "
@@ -173,21 +177,9 @@ class OddSampleStream(torch.utils.data.IterableDataset):
             yield (x[:-1], y[:-1]) if i == 1 else (x, y)
 
 
-def _odd_stream(rank, world_size, root):
-    data = synthetic_lm_data(TrainConfig.from_dict(CFG))
-    cfg = {**CFG, "data_strategy": "dispatch", "max_steps": 3, "log_dir": str(Path(root) / "logs"),
-           "checkpoint_dir": str(Path(root) / "ckpt")}
-    try:
-        DDPTrainer(rank=rank, world_size=world_size, config=cfg, model=CausalLM(64, 32, 1, 2, 16),
-                   train_dataset=OddSampleStream(data.train), val_dataset=data.val).train()
-        return "completed"
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-
-
 def test_a_stream_part_that_fails_at_step_1_fails_every_rank_there_not_one_alone(tmp_path):
     # before: rank 1 raised alone and rank 0 died of a reset connection in the gradient all-reduce
-    errors = spawn(_odd_stream, 2, str(tmp_path), timeout=90)
+    errors = spawn(_stream_outcome, 2, str(tmp_path), OddSampleStream, timeout=90)
     for rank, error in enumerate(errors):
         assert error.startswith("StepFailed: step 1: BatchLoadError: RuntimeError: stack expects each tensor to be "
                                 "equal size"), errors
