@@ -503,11 +503,15 @@ class RunDirLock:
             logging.getLogger(__name__).warning("cannot lock %s (%s): nothing stops a second run there", path, exc)
             return None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
-                      f"{time.strftime('%Y-%m-%d %H:%M:%S')}{note}\n".encode(), 0)
+        os.pwrite(fd, f"{self.this_process()}since {time.strftime('%Y-%m-%d %H:%M:%S')}{note}\n".encode(), 0)
         self._fds.append(fd)
         _HELD_LOCK_FDS.add(fd)
         return None
+
+    @staticmethod
+    def this_process() -> str:
+        """How a holder's text begins when this process holds the lock."""
+        return f"pid {os.getpid()} on {socket.gethostname()} "
 
     def release(self) -> None:
         import fcntl
@@ -1137,8 +1141,8 @@ class SetUpWatch:
             return None
         run = run_identity()
         holder = RunDirLock(self.log_dir).acquire(self.GIVING_UP + run)  # held until os._exit: the marker is under it
-        mine = f"pid {os.getpid()} on {socket.gethostname()} "
-        return None if holder is None or holder.startswith(mine) or (run and run in holder) else holder
+        return None if holder is None or holder.startswith(RunDirLock.this_process()) or (run and run in holder) \
+            else holder
 
     def __exit__(self, *exc) -> None:
         if self._previous_fd is None:
@@ -1320,8 +1324,8 @@ def host_snapshot(obj: Any, memo: Optional[dict] = None, pin: bool = False) -> A
     """A copy of `obj` (nested dicts, lists, tuples) whose tensors live in fresh host memory, so
     training can go on changing the originals while the copy is written. Tensors that are the same
     view of the same storage (tied weights) stay one tensor in the copy; pass one `memo` to share
-    them across several payloads (it holds each source with its copy). With `pin`, CUDA tensors are copied into page-locked memory
-    without waiting for each copy, then once for all of them: a pageable copy is staged by the
+    them across several payloads (it holds each source with its copy). With `pin`, CUDA tensors are
+    copied into page-locked memory without waiting for each copy, then once for all of them: a pageable copy is staged by the
     driver and runs several times slower. PyTorch keeps freed page-locked blocks cached (each
     rounded up to a power of two) for the next save, so the first one pays for pinning and later
     ones reuse it; see CheckpointWriter for how much it may pin."""

@@ -845,7 +845,7 @@ class DDPTrainer:
         holder = rt.broadcast_object(self.run_lock.acquire(rt.run_identity()) if env.is_main else None)
         if holder:
             whose = ("this process: another DDPTrainer on these dirs has not finished train(); call its close() "
-                     "or drop it" if holder.startswith(f"pid {os.getpid()} on {socket.gethostname()} ") else
+                     "or drop it" if holder.startswith(rt.RunDirLock.this_process()) else
                      "another run (or the ranks of one whose launcher was killed); stop it, or give this run "
                      "another run_name")
             raise ValueError(f"the run dirs (log_dir {cfg.log_dir}, checkpoint_dir {cfg.checkpoint_dir}) are in use "
