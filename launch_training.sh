@@ -249,10 +249,10 @@ printf ' %q' "${cmd[@]}"; printf '\n'
 # torchrun turns a stop signal into exit 1 and a traceback, even when every worker saved and exited 75, and
 # it does not pass the workers' codes on. The trainer's own proof of a resumable stop is the PREEMPTED
 # marker, written by rank 0 only once the state is on disk and removed when a run starts. So torchrun runs
-# as a child and the launcher exits 75 when torchrun failed and a marker newer than this launch exists in
-# the run's log dir; a --config file can name another log dir, which the launcher does not read. The markers
-# carry this launch's id (DDP_KIT_LAUNCH_ID), so another run's marker in a searched dir does not count. A
-# run that completed (COMPLETED, newer, this launch's) while torchrun handled a stop signal exits 0.
+# as a child and the launcher exits 75 when it passed a stop on, torchrun failed, and a marker newer than this
+# launch exists in the run's log dir; a --config file can name another log dir, which the launcher does not
+# read. The markers carry this launch's id (DDP_KIT_LAUNCH_ID), so another run's marker in a searched dir
+# does not count. A run that completed (COMPLETED, newer, this launch's) while torchrun handled a stop exits 0.
 marker_dirs() {
     local explicit=() ckpts=() names=() i a
     [[ -n "$log_dir" ]] && explicit+=("$log_dir")
@@ -277,24 +277,17 @@ marker_dirs() {
     fi
 }
 
-new_marker() {  # new_marker PREEMPTED|COMPLETED: this launch's marker of that name, if any
+new_file() {  # new_file NAME [TEXT]: the first NAME newer than this launch in the run's dirs (holding TEXT)
     local dir
     while IFS= read -r dir; do
         if [[ -n "$dir" && -f "$dir/$1" && "$dir/$1" -nt "$stamp" ]] \
-                && grep -qF -- "\"launch_id\": \"$DDP_KIT_LAUNCH_ID\"" "$dir/$1"; then
+                && { [[ -z "${2:-}" ]] || grep -qF -- "$2" "$dir/$1"; }; then
             echo "$dir/$1"
             return
         fi
     done < <(marker_dirs)
 }
-
-started_training() {  # the trainers start metrics.jsonl when training begins, after set-up
-    local dir
-    while IFS= read -r dir; do
-        [[ -n "$dir" && -f "$dir/metrics.jsonl" && "$dir/metrics.jsonl" -nt "$stamp" ]] && return 0
-    done < <(marker_dirs)
-    return 1
-}
+new_marker() { new_file "$1" "\"launch_id\": \"$DDP_KIT_LAUNCH_ID\""; }  # PREEMPTED|COMPLETED of this launch
 
 # Forward the first signal only. torchrun restarts its shutdown wait on a second stop signal and, on a
 # third, gives up on its workers mid-save and exits (torch 2.13, elastic agent run()); repeated Ctrl-C or a
@@ -362,7 +355,7 @@ if (( status != 0 )) && [[ -n "$forwarded" ]]; then
              "torchrun's status $status was its answer to the signal: exiting 0" >&2
         exit 0
     fi
-    if ! started_training; then  # the ranks died of it while importing torch, before they had a handler
+    if [[ -z "$(new_file metrics.jsonl)" ]]; then  # training never began: the ranks died of it while importing
         echo "launch_training.sh: stopped by SIG$forwarded before any rank began training (no metrics.jsonl" \
              "newer than the launch in: $(marker_dirs | tr '\n' ' ')): nothing to save; exiting 75 (pass -l when a" \
              "--config sets the log dir)" >&2
