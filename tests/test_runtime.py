@@ -609,9 +609,11 @@ def test_a_save_point_never_takes_a_freed_tensors_copy_for_a_new_one(tmp_path, m
         writer.save({"rng": torch.full((256,), i + 2, dtype=torch.uint8)}, tmp_path / f"s{i}.pt", group=7)
     release.set()
     writer.flush()
-    assert torch.equal(rt.load_checkpoint(tmp_path / "first.pt")["rng"], torch.full((256,), 1, dtype=torch.uint8))
+    def holds(name, value):
+        return torch.equal(rt.load_checkpoint(tmp_path / name)["rng"], torch.full((256,), value, dtype=torch.uint8))
+    assert holds("first.pt", 1)
     for i in range(20):
-        assert torch.equal(rt.load_checkpoint(tmp_path / f"s{i}.pt")["rng"], torch.full((256,), i + 2, dtype=torch.uint8)), i
+        assert holds(f"s{i}.pt", i + 2), i
     assert writer.close() is None
 
 
