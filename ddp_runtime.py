@@ -407,28 +407,47 @@ def run_on_rank0(fn, *args, what: str = "operation", **kwargs):
 # Logging
 # ----------------------------------------------------------------------------
 
-def setup_logger(log_dir: str | os.PathLike, rank: int, debug: bool = False,
+def setup_logger(log_dir: Optional[str | os.PathLike], rank: int, debug: bool = False,
                  name: str = "ddp") -> logging.Logger:
     """`rank_N.log` for every rank; console from rank 0 only (every rank with debug). A log dir that cannot
-    be written is a ValueError (bad input) that names it."""
-    try:
-        Path(log_dir).mkdir(parents=True, exist_ok=True)
-        fh = logging.FileHandler(Path(log_dir) / f"rank_{rank}.log", mode="a")
-    except OSError as exc:
-        raise ValueError(f"log_dir {log_dir}: cannot write rank_{rank}.log there ({type(exc).__name__}: "
-                         f"{exc}){symlink_note(log_dir)}") from exc
+    be written is a ValueError (bad input) that names it. Without a log dir (the run dir is not ours yet: it
+    may be locked by another run) the records are kept, and the next call that names one writes them first."""
     logger = logging.getLogger(f"{name}.rank{rank}")
+    kept = [r for h in logger.handlers if isinstance(h, _KeptRecords) for r in h.records]
+    if log_dir is None:  # a new start: what an earlier one kept (a run refused in this process) is dropped
+        kept = []
+        fh = _KeptRecords()
+    else:
+        try:
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
+            fh = logging.FileHandler(Path(log_dir) / f"rank_{rank}.log", mode="a")
+        except OSError as exc:
+            raise ValueError(f"log_dir {log_dir}: cannot write rank_{rank}.log there ({type(exc).__name__}: "
+                             f"{exc}){symlink_note(log_dir)}") from exc
     close_logger(logger)  # a second trainer in one process must not double lines
     logger.setLevel(logging.DEBUG if debug else logging.INFO)
     logger.propagate = False
     fmt = logging.Formatter(f"%(asctime)s [RANK {rank}] %(levelname)s: %(message)s", "%Y-%m-%d %H:%M:%S")
     fh.setFormatter(fmt)
+    for record in kept:
+        fh.handle(record)
     logger.addHandler(fh)
     if rank == 0 or debug:
         sh = logging.StreamHandler(sys.stdout)
         sh.setFormatter(fmt)
         logger.addHandler(sh)
     return logger
+
+
+class _KeptRecords(logging.Handler):
+    """A log file to be: the records of a logger whose run dir is not known to be this run's yet."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list = []
+
+    def emit(self, record):
+        self.records.append(record)
 
 
 def symlink_note(path) -> str:

@@ -397,11 +397,9 @@ def train(args, launch):
 
 def set_up(args, launch, cfg):
     """The data (checked on every rank), the predictor and its DDPTrainer (`cfg`: train_config(args))."""
-    # the trainer's logger has the same name: it replaces these handlers, so no line is written twice
-    try:
-        log = rt.setup_logger(cfg["log_dir"], launch["rank"], args.debug)
-    except ValueError as exc:  # a log dir that cannot be written
-        raise BadInput(str(exc)) from exc
+    # Kept, not written yet: the trainer's logger (of the same name) writes these lines into rank_N.log once
+    # it holds the run dir, and a run refused there (another run's dir) writes nothing into it.
+    log = rt.setup_logger(None, launch["rank"], args.debug)
     backend = rt.pick_backend(args.dist_backend, args.device) if launch["world_size"] > 1 else "none (1 process)"
     log.info("[DDP] Initializing with backend=%s, device=%s", backend, args.device)
     # Every rank validates the data before any process group exists, so a bad file or a horizon that does
@@ -414,7 +412,11 @@ def set_up(args, launch, cfg):
             raise BadInput(f"--validation_data_dir: geometry {val_set.geometry} differs from the training "
                            f"data's {train_set.geometry}")
     except BadInput as exc:
-        log.error("%s", exc)  # into rank_N.log too: each rank's file shows that it stopped on its own
+        log.error("%s", exc)
+        try:  # each rank's file shows that it stopped on its own
+            rt.setup_logger(cfg["log_dir"], launch["rank"], args.debug)
+        except ValueError as unwritable:
+            raise BadInput(f"{exc} (and {unwritable})") from exc
         raise
     log.info("train: %s", train_set.summary())
     log.info("val: %s", val_set.summary())

@@ -337,6 +337,28 @@ def test_resuming_on_other_data_is_refused(tmp_path, no_launch_env, capsys):
     assert torch.load(tmp_path / "ckpt" / "vjepa2_final.pt", weights_only=True)["global_step"] == 4
 
 
+def test_a_run_refused_by_the_run_dir_lock_writes_nothing_there(tmp_path, no_launch_env, capsys):
+    """The data checks log before the trainer takes the run dir's lock: their lines wait for it, so a run
+    refused there leaves the holder's rank_0.log as it was; a run that gets the dir writes them first."""
+    make_vj2_data(tmp_path, 1, 8, 8)
+    ckpt = tmp_path / "ckpt"
+    argv = ["--processed_data_dir", str(tmp_path / "train"), "--validation_data_dir", str(tmp_path / "val"),
+            "--device", "cpu", "--preset", "tiny", "--checkpoint_dir", str(ckpt), "--max_steps", "1"]
+    holder = rt.RunDirLock(ckpt)
+    assert holder.acquire() is None
+    try:
+        assert vj2.main(argv) == 2
+        assert "are in use by pid" in capsys.readouterr().err
+        assert sorted(p.name for p in ckpt.iterdir()) == [".lock"]
+    finally:
+        holder.release()
+    assert vj2.main(argv) == 0
+    lines = (ckpt / "rank_0.log").read_text().splitlines()
+    first = next(i for i, line in enumerate(lines) if "INFO: train: " in line)
+    assert first < next(i for i, line in enumerate(lines) if "INFO: rank 0/1, local_rank 0" in line)
+    assert sum("INFO: train: " in line for line in lines) == 1
+
+
 @pytest.mark.multi
 def test_rollout_horizon_longer_than_the_data_fails_fast_on_both_ranks(tmp_path):
     gen.generate(tmp_path / "short", num_files=1, trajectories_per_file=8, steps=2)
