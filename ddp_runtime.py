@@ -8,6 +8,7 @@ knows about a particular model.
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import datetime
 import gc
@@ -40,6 +41,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 # interrupted checkpoint (EX_TEMPFAIL: "try again later"), so a requeue script
 # can tell preemption from failure.
 EXIT_PREEMPTED = 75
+# Exit code of bad input (a flag, a file, a refused state): as argparse exits
+EXIT_BAD_INPUT = 2
 
 DEFAULT_DIST_TIMEOUT_S = 300.0
 
@@ -316,6 +319,36 @@ def teardown_distributed(synchronize: bool = False) -> None:
             dist.barrier()
         dist.destroy_process_group()
     _roll_call_group = None
+
+
+def refuse(message: str, show: bool = True) -> int:
+    """Bad input: one `error: ...` line on stderr (`show`: rank 0 prints it) and EXIT_BAD_INPUT. Under
+    torchrun the reason also goes where torchrun looks for a worker's (TORCHELASTIC_ERROR_FILE, in the
+    format of torch's ErrorHandler): its failure summary then shows it, and adds the exit code, which is how
+    the launcher tells bad input from a failure (torchrun itself exits 1 whatever its workers' codes)."""
+    if show:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    note_for_torchrun(f"error: {message}")
+    return EXIT_BAD_INPUT
+
+
+def note_for_torchrun(message: str) -> None:
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    reason = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}
+    try:
+        Path(path).write_text(json.dumps(reason))
+    except OSError as exc:  # the reason is on stderr all the same
+        print(f"cannot write torchrun's error file {path}: {exc}", file=sys.stderr)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors (exit 2) also reach torchrun's failure summary and the launcher (see refuse)."""
+
+    def error(self, message):
+        note_for_torchrun(f"{self.prog}: error: {message}")
+        super().error(message)
 
 
 def exit_process(code: int) -> None:

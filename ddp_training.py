@@ -2100,7 +2100,7 @@ def config_from_yaml(path: str) -> dict:
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Robust DDP training of a small causal transformer LM.",
+    p = rt.ArgumentParser(description="Robust DDP training of a small causal transformer LM.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", help="YAML file with a flat mapping of config keys")
     p.add_argument("--cpu", action="store_true", help="train on the CPU with gloo")
@@ -2152,7 +2152,7 @@ class BadInput(Exception):
 
 # What set-up raises for bad input (a data file, a refused or unreadable state)
 SETUP_ERRORS = (ValueError, FileNotFoundError, rt.CheckpointError)
-EXIT_BAD_INPUT = 2
+EXIT_BAD_INPUT = rt.EXIT_BAD_INPUT
 
 
 def train_preemptible(build: Callable[[], "DDPTrainer"], log_dir, requested=None) -> int:
@@ -2186,9 +2186,7 @@ def _train_and_exit_code(rank: int, world_size: int, cfg: dict, local_rank: Opti
     try:
         return train_preemptible(build, bad_input(TrainConfig.from_dict, cfg).log_dir, requested)
     except BadInput as exc:
-        if rank == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return rt.refuse(str(exc), show=rank == 0)
 
 
 def _spawned_worker(rank: int, world_size: int, cfg: dict, requested=None) -> None:
@@ -2267,17 +2265,13 @@ def main(argv: Optional[list] = None) -> int:
     try:
         cfg = config_from_args(args)
     except (ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return rt.refuse(str(exc))
     if args.nproc < 1:
-        print(f"error: --nproc must be >= 1, got {args.nproc}", file=sys.stderr)
-        return 2
+        return rt.refuse(f"--nproc must be >= 1, got {args.nproc}")
     launch = rt.detect_launch_env()
     if args.nproc > 1:
         if launch["world_size"] > 1:
-            print("error: --nproc spawns its own processes; do not combine it with torchrun/srun",
-                  file=sys.stderr)
-            return 2
+            return rt.refuse("--nproc spawns its own processes; do not combine it with torchrun/srun")
         return spawn_local(args.nproc, cfg)
     return _train_and_exit_code(launch["rank"], launch["world_size"], cfg, launch["local_rank"])
 

@@ -43,7 +43,8 @@ catch them, and would die without a save. Workers get TORCH_ELASTIC_SHUTDOWN_TIM
 300, torchrun's own default is 30) to finish before torchrun kills them.
 
 Exit status: 0 the run finished; 75 the run was stopped by a signal and left a PREEMPTED marker in its log
-dir (relaunch the same command to resume); 2 bad arguments; otherwise torchrun's status.
+dir (relaunch the same command to resume); 2 bad arguments, to this script or to the training script (a flag,
+a file, a refused state); otherwise torchrun's status.
 The marker is looked for in the log dir given with -l/--log_dir, else in the scripts' defaults
 (runs/<run_name>/ and checkpoints/<run_name>/ for a --run_name after --, else runs/*/ and checkpoints/*/;
 and the -c/--checkpoint_dir dir); pass -l when a --config file moves it.
@@ -308,7 +309,9 @@ forward() {
 stop_signal() { case $1 in HUP|QUIT) echo TERM ;; *) echo "$1" ;; esac; }
 
 stamp=$(mktemp "${TMPDIR:-/tmp}/launch_training.XXXXXX") || die "cannot create a file in ${TMPDIR:-/tmp} (set TMPDIR)"
-trap 'rm -f "$stamp"' EXIT
+# torchrun copies the first failed worker's reason here, with its exit code (see rt.refuse)
+export TORCHELASTIC_ERROR_FILE="$stamp.error.json"
+trap 'rm -f "$stamp" "$TORCHELASTIC_ERROR_FILE"' EXIT
 # one id for all nodes of a multi-node run (rank 0 writes the markers, every node's launcher reads them)
 if (( nnodes == 1 )); then
     DDP_KIT_LAUNCH_ID="${HOSTNAME:-host}-$$-${stamp##*.}"
@@ -355,6 +358,15 @@ if (( status != 0 )) && [[ -n "$forwarded" ]]; then
              "torchrun's status $status was its answer to the signal: exiting 0" >&2
         exit 0
     fi
+fi
+# The exit code of the worker that failed first, where it left torchrun its reason (the trainers do for bad input)
+if (( status != 0 )) && [[ -s "$TORCHELASTIC_ERROR_FILE" ]] && [[ "$("$python" -c 'import json, sys
+reason = json.load(open(sys.argv[1]))["message"]
+print(reason.get("errorCode", "") if isinstance(reason, dict) else "")' "$TORCHELASTIC_ERROR_FILE")" == 2 ]]; then
+    echo "launch_training.sh: the script refused its input (exit 2, the error above): exiting 2" >&2
+    exit 2
+fi
+if (( status != 0 )) && [[ -n "$forwarded" ]]; then
     if [[ -z "$(new_file metrics.jsonl)" ]]; then  # training never began: the ranks died of it while importing
         echo "launch_training.sh: stopped by SIG$forwarded before any rank began training (no metrics.jsonl" \
              "newer than the launch in: $(marker_dirs | tr '\n' ' ')): nothing to save; exiting 75 (pass -l when a" \

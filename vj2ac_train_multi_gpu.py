@@ -19,11 +19,9 @@ holding `predictor`, `global_step`, `predictor_config`, `rollout_horizon`, and `
 ran at that step.
 """
 
-import argparse
 import json
 import math
 import numbers
-import sys
 from contextlib import contextmanager
 from functools import partial
 
@@ -275,7 +273,7 @@ PRESET_LR = {"tiny": 1e-2, "small": 5e-3, "vjepa2_ac": 4e-4}
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
+    p = rt.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     d = " (default %(default)s)"
     p.add_argument("--processed_data_dir", help="training .npz files (required unless --evaluate)")
     p.add_argument("--validation_data_dir", help="validation .npz files (required)")
@@ -489,8 +487,7 @@ def main(argv=None):
     try:
         return evaluate(args, launch) if args.evaluate else train(args, launch)
     except BadInput as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return rt.refuse(str(exc))
 
 
 if __name__ == "__main__":

@@ -284,6 +284,36 @@ def test_a_run_that_completes_while_torchrun_handles_a_stop_exits_0(tmp_path, fa
     assert r.returncode == 1, r.stdout  # no stop signal: a failure after the marker is a failure
 
 
+def reason(code=None, message="error: --x is bad"):
+    """Shell writing what torchrun leaves in its own TORCHELASTIC_ERROR_FILE: the first failed worker's reason,
+    with its exit code (absent when torchrun failed on its own)."""
+    body = {"message": {"message": message, "extraInfo": {"timestamp": "1"}, **({"errorCode": code} if code else {})}}
+    return f"echo '{json.dumps(body)}' > \"$TORCHELASTIC_ERROR_FILE\"; exit 1"
+
+
+def test_a_worker_that_refused_its_input_makes_the_launcher_exit_2(tmp_path, fake_bin):
+    """torchrun exits 1 whatever its workers' codes; the reason the trainers leave it carries theirs."""
+    (tmp_path / "tmp").mkdir()
+    r = launch(["--cpu"], tmp_path, fake_bin, FAKE_TORCHRUN_THEN=reason(2), TMPDIR=tmp_path / "tmp")
+    assert r.returncode == 2 and "the script refused its input (exit 2" in r.stdout, r.stdout
+    for other in (reason(1), reason(), reason(2).replace('{"message": {', '{"message": "new format", "x": {'),
+                  "exit 1"):
+        r = launch(["--cpu"], tmp_path, fake_bin, FAKE_TORCHRUN_THEN=other, TMPDIR=tmp_path / "tmp")
+        assert r.returncode == 1 and "refused" not in r.stdout, r.stdout
+    assert not list((tmp_path / "tmp").iterdir())  # the launcher removes its files
+
+
+@pytest.mark.multi
+def test_bad_input_under_the_launcher_exits_2_with_the_error_in_torchruns_summary(tmp_path):
+    env = clean_env(PYTHON=sys.executable, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    r = run(["bash", LAUNCHER, "--cpu", "--nproc", "2", "--", "--dropout", "1.5"], cwd=tmp_path, env=env, timeout=60)
+    assert r.returncode == 2, r.stdout[-3000:]
+    # torchrun's failure summary shows the reason instead of a pointer to its docs
+    assert "traceback : error: config key 'dropout' must be in [0, 1), got 1.5" in r.stdout, r.stdout[-3000:]
+    r = run(["bash", LAUNCHER, "--cpu", "--nproc", "2", "--", "--no_such_flag"], cwd=tmp_path, env=env, timeout=60)
+    assert r.returncode == 2 and "ddp_training.py: error: unrecognized arguments: --no_such_flag" in r.stdout
+
+
 def launcher_run(tmp_path):
     """A real 2-rank CPU run through the launcher, from a directory without the scripts, with many steps."""
     env = clean_env(PYTHON=sys.executable, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
