@@ -1113,6 +1113,7 @@ class DDPTrainer:
                 batch, weight = self._tiny_spare(fatal or "out of memory"), 0.0
             try:
                 tally.add(*self._forward_backward(batch, last, weight))
+                continue
             except Exception as exc:
                 if fatal is not None or oom:  # a replay failed
                     raise self._abandoned(fatal, exc) from exc
@@ -1125,12 +1126,16 @@ class DDPTrainer:
                 else:
                     fatal = f"{type(exc).__name__} in {phase}: {exc}"
                     self.log.error("step %d raised on this rank: %s", self.global_step + 1, traceback.format_exc())
-                if self.env.device.type == "cuda":
-                    torch.cuda.empty_cache()
-                try:
-                    tally.add(*self._forward_backward(self._tiny_spare(fatal or "out of memory"), last, 0.0))
-                except Exception as replay_exc:  # e.g. DDP had reduced part of a backward that died half-way
-                    raise self._abandoned(fatal, replay_exc) from replay_exc
+                # the failed forward's activations live as long as the frames of its traceback
+                traceback.clear_frames(exc.__traceback__)
+            # replayed outside the except block, whose exception would keep them: out of memory, they are the
+            # memory the replay needs
+            if self.env.device.type == "cuda":
+                torch.cuda.empty_cache()
+            try:
+                tally.add(*self._forward_backward(self._tiny_spare(fatal or "out of memory"), last, 0.0))
+            except Exception as replay_exc:  # e.g. DDP had reduced part of a backward that died half-way
+                raise self._abandoned(fatal, replay_exc) from replay_exc
         return tally, data_errors, fatal, oom
 
     def _gradients(self, tally: "StepTally") -> tuple:

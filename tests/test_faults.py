@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import time
+import weakref
 from pathlib import Path
 
 import psutil
@@ -594,6 +595,23 @@ def test_a_step_retried_after_out_of_memory_counts_its_failed_batch_once(tmp_pat
     log = (tmp_path / "logs" / "rank_0.log").read_text()
     assert "retrying step 1 with micro-batches split 2 ways" in log
     assert log.count("failed to load") == 1 and "1 batch(es) failed to load at step 1 (1 this epoch, max 1)" in log
+
+
+def test_out_of_memory_frees_the_failed_forward_before_the_replay(tmp_path, no_launch_env):
+    """The weight-zero replay that keeps the step's collectives runs after the failed forward's tensors are
+    freed: on a GPU out of memory they are what the replay needs (the exception's frames held them)."""
+    seen = {}
+
+    def loss_fn(model, batch):
+        s, c = lm_loss(model, batch)
+        if model.training and "failed" not in seen:
+            activation = s * torch.ones(1 << 16)  # stands in for the activations of the forward that fails
+            seen["failed"] = weakref.ref(activation)
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        seen.setdefault("alive_at_replay", seen["failed"]() is not None)
+        return s, c
+    summary = DDPTrainer(config=cfg_for(tmp_path, max_steps=2), loss_fn=loss_fn).train()
+    assert seen["alive_at_replay"] is False and (summary["status"], summary["steps"]) == ("completed", 2)
 
 
 class OutOfMemoryOnce:
