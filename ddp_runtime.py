@@ -1623,7 +1623,9 @@ class CheckpointWriter:
 # RNG state (stored as tensors and plain numbers so it loads with weights_only=True)
 # ----------------------------------------------------------------------------
 
-def rng_state() -> dict:
+def rng_state(device: Optional[torch.device] = None) -> dict:
+    """Every RNG stream of this process; on a CUDA `device`, that GPU's too (only this rank's GPU: another
+    launch may see other GPUs, or number them otherwise)."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     version, internal, gauss_next = random.getstate()
     state = {"torch": torch.get_rng_state(),
@@ -1631,23 +1633,27 @@ def rng_state() -> dict:
                        "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
              "python": {"version": int(version), "internal": torch.tensor(internal, dtype=torch.int64),
                         "gauss_next": gauss_next}}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device is not None and device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict) -> None:
-    """Restore what `rng_state` captured. The tensors may arrive on another device (a checkpoint
-    loaded with map_location='cuda'); torch, numpy, random and CUDA's own generators take only
-    host data, so each is copied to the CPU first."""
+def set_rng_state(state: dict, device: Optional[torch.device] = None) -> None:
+    """Restore what `rng_state` captured, on a CUDA `device` its GPU's stream too. The tensors may arrive on
+    another device (a checkpoint loaded with map_location='cuda'); torch, numpy, random and CUDA's own
+    generators take only host data, so each is copied to the CPU first."""
     torch.set_rng_state(state["torch"].cpu())
     n = state["numpy"]
     np.random.set_state(("MT19937", n["keys"].cpu().numpy().astype(np.uint32), n["pos"], n["has_gauss"],
                          n["cached_gaussian"]))
     p = state["python"]
     random.setstate((p["version"], tuple(p["internal"].cpu().tolist()), p["gauss_next"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+    cuda = state.get("cuda")
+    if isinstance(cuda, (list, tuple)):  # states before 25 Nov 2026 held every visible GPU's, by index
+        cuda = cuda[device.index] if device is not None and device.index is not None and device.index < len(cuda) \
+            else None
+    if cuda is not None and device is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(cuda.cpu(), device)
 
 
 # ----------------------------------------------------------------------------

@@ -576,7 +576,9 @@ def amp_dtype_for(cfg: "TrainConfig", device: torch.device) -> Optional[torch.dt
     if not cfg.use_amp:
         return None
     if device.type == "cuda":
-        if cfg.amp_dtype == "fp16" or (cfg.amp_dtype == "auto" and not torch.cuda.is_bf16_supported()):
+        # not emulated bf16 (Volta, Turing: torch's default check counts it), which is slow: fp16 there
+        if cfg.amp_dtype == "fp16" or (cfg.amp_dtype == "auto" and
+                                       not torch.cuda.is_bf16_supported(including_emulation=False)):
             return torch.float16
         return torch.bfloat16
     if cfg.amp_dtype == "bf16":
@@ -585,16 +587,19 @@ def amp_dtype_for(cfg: "TrainConfig", device: torch.device) -> Optional[torch.dt
 
 
 # Dense bf16 peak FLOP/s per GPU (datasheet figures), for the model FLOPs utilisation (MFU) metric;
-# the first key contained in the device's name wins, so the PCIe and NVL parts come before "H100".
-PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12, "A100": 312e12,
-                   "L40S": 362e12, "A10": 125e12}
+# the first key contained in the device's name wins, so the PCIe and NVL parts come before "H100" and "H200".
+PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200 NVL": 835e12, "H200": 989e12,
+                   "A100": 312e12, "L40S": 362e12, "A10": 125e12}
 
 
 def peak_bf16_flops(device: torch.device) -> Optional[float]:
-    """The datasheet peak of this GPU, or None (the CPU, an unknown GPU)."""
+    """The datasheet peak of this GPU, or None (the CPU, an unknown GPU, a MIG slice: a share of the whole
+    GPU's peak that its name does not give)."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
+    if " MIG " in f" {name} ":
+        return None
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
 
@@ -1226,7 +1231,7 @@ class DDPTrainer:
                 # Only under dispatch, where a stream's parts load or fail together (_PartsCollate): all raise here
                 raise StepFailed(f"step {self.global_step + 1}: {why}; no batch of the stream has loaded yet "
                                  f"to stand in for it (a stream cannot be read by index)")
-            streams = rt.rng_state()
+            streams = rt.rng_state(self.env.device)
             try:
                 for i in range(len(ds)):
                     try:
@@ -1236,7 +1241,7 @@ class DDPTrainer:
                     if len(samples) == self.cfg.batch_size:
                         break
             finally:
-                rt.set_rng_state(streams)
+                rt.set_rng_state(streams, self.env.device)
             if len(samples) < self.cfg.batch_size:
                 raise RuntimeError(f"fewer than batch_size={self.cfg.batch_size} samples of the training set load")
             self.spare_batch = self.train_loader.collate_fn(samples)
@@ -1366,7 +1371,7 @@ class DDPTrainer:
         return self._state(rt.gather_objects(self._rng_streams()))
 
     def _rng_streams(self) -> dict:
-        return {**rt.rng_state(), "loader": dict(self.loader_rng)}
+        return {**rt.rng_state(self.env.device), "loader": dict(self.loader_rng)}
 
     def _state(self, per_rank_rng: list) -> dict:
         """The resumable state (live tensors, not copies) with the given RNG streams of every rank."""
@@ -1514,7 +1519,7 @@ class DDPTrainer:
             setattr(self, k, v)
         mine = state["rng"][self.env.rank]
         self.loader_rng = dict(mine["loader"])
-        rt.set_rng_state(mine)
+        rt.set_rng_state(mine, self.env.device)
 
     def _apply_configured_rates(self, configured: list) -> None:
         """The optimizer and scheduler states carry the learning rate and weight decay they were saved with;

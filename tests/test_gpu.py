@@ -62,7 +62,7 @@ def _one_step_grads(tmp_path: Path, name: str, **config) -> dict:
 
 @pytest.mark.parametrize("amp_dtype", ["bf16", "fp16"])
 def test_amp_step_is_close_to_fp32(tmp_path, no_launch_env, monkeypatch, amp_dtype):
-    if amp_dtype == "bf16" and not torch.cuda.is_bf16_supported():
+    if amp_dtype == "bf16" and not torch.cuda.is_bf16_supported(including_emulation=False):
         pytest.skip("this GPU has no bf16")
     # GradScaler's default first scale, 2**16, overflows this model's first fp16 step, which is then skipped
     # (test_fp16_overflowing_first_steps_are_skipped_then_it_trains); a scale that fits compares the same step.
@@ -109,7 +109,7 @@ def test_amp_direct_forward_backward_is_close_to_fp32():
 
     ref_loss, ref_grad = loss_and_grad(None)
     dtypes = {"fp16": torch.float16}
-    if torch.cuda.is_bf16_supported():
+    if torch.cuda.is_bf16_supported(including_emulation=False):
         dtypes["bf16"] = torch.bfloat16
     for name, dtype in dtypes.items():
         loss, grad = loss_and_grad(dtype)

@@ -877,12 +877,34 @@ def test_rng_state_restores_from_tensors_off_the_host():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_rng_state_restores_after_loading_onto_cuda(tmp_path):
-    path = rt.atomic_save({"rng": rt.rng_state()}, tmp_path / "state.pt")
-    expected = draws() + (torch.rand(3, device="cuda").tolist(),)
+    gpu = torch.device("cuda", torch.cuda.current_device())
+    path = rt.atomic_save({"rng": rt.rng_state(gpu)}, tmp_path / "state.pt")
+    expected = draws() + (torch.rand(3, device=gpu).tolist(),)
     loaded = rt.load_checkpoint(path, map_location="cuda")["rng"]  # what a resume with map_location=device did
-    assert loaded["torch"].is_cuda and loaded["cuda"][0].is_cuda
-    rt.set_rng_state(loaded)
-    assert draws() + (torch.rand(3, device="cuda").tolist(),) == expected
+    assert loaded["torch"].is_cuda and loaded["cuda"].is_cuda
+    rt.set_rng_state(loaded, gpu)
+    assert draws() + (torch.rand(3, device=gpu).tolist(),) == expected
+
+
+def test_a_state_holds_the_rng_of_its_ranks_gpu_only(monkeypatch):
+    """Another launch may see other GPUs (--gpus 0,1 on an 8-GPU node, one GPU per SLURM task): a state with
+    every visible GPU's stream (as before 25 Nov) failed to resume there with an IndexError. It holds the
+    rank's own GPU's; an old state gives the stream at the rank's index, where there is one."""
+    streams = {0: torch.full((4,), 10, dtype=torch.uint8), 1: torch.full((4,), 11, dtype=torch.uint8)}
+    restored = {}
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: streams[device.index].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.update({device.index: state}))
+    assert "cuda" not in rt.rng_state(torch.device("cpu")) and "cuda" not in rt.rng_state()
+    state = rt.rng_state(torch.device("cuda", 1))
+    assert torch.equal(state["cuda"], streams[1])
+    rt.set_rng_state(state, torch.device("cuda", 0))  # resumed where the rank's GPU has another number
+    assert list(restored) == [0] and torch.equal(restored.pop(0), streams[1])
+    old = {**state, "cuda": [streams[0], streams[1]]}
+    rt.set_rng_state(old, torch.device("cuda", 1))
+    assert list(restored) == [1] and torch.equal(restored.pop(1), streams[1])
+    rt.set_rng_state({**old, "cuda": [streams[0]]}, torch.device("cuda", 1))  # before: IndexError
+    rt.set_rng_state(old, torch.device("cpu"))
+    assert restored == {}
 
 
 @pytest.mark.gpu

@@ -242,6 +242,24 @@ def test_flops_per_token_matches_a_measured_count():
     assert abs(m.flops_per_token() - measured) < 0.15 * measured, (m.flops_per_token(), measured)
 
 
+def test_gpu_precision_and_peak_are_read_off_the_gpu(monkeypatch):
+    """CUDA stands in here: bf16 only where the GPU has it (torch's default check also counts the slow
+    emulation of a V100 or T4), and the MFU peak of the GPU's name (none for a MIG slice, a share of it)."""
+    from ddp_training import amp_dtype_for, peak_bf16_flops
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    gpu, auto = torch.device("cuda", 0), TrainConfig.from_dict({})
+    assert amp_dtype_for(auto, gpu) == torch.float16  # a T4: emulated bf16 only
+    assert amp_dtype_for(TrainConfig.from_dict({"amp_dtype": "bf16"}), gpu) == torch.bfloat16  # asked for
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert amp_dtype_for(auto, gpu) == torch.bfloat16  # Ampere, Hopper
+    for name, peak in [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
+                       ("NVIDIA H200", 989e12), ("NVIDIA H200 NVL", 835e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+                       ("NVIDIA A100-SXM4-40GB MIG 1g.5gb", None), ("Tesla T4", None)]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
+        assert peak_bf16_flops(gpu) == peak, name
+    assert peak_bf16_flops(torch.device("cpu")) is None
+
+
 # The rate each of 10 steps uses (warmup 2, min_lr_ratio 0.1), as multiples of the base rate, worked out
 # by hand: warmup (k+1)/2; cosine 0.1 + 0.45 (1 + cos(pi (k-2)/8)); wsd flat until 2 + 0.8 * 8 = 8 steps
 # are done, then linear toward 0.1 at step 10's end.
