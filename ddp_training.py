@@ -555,6 +555,11 @@ def build_lm_data(cfg: TrainConfig) -> LMData:
 # Optimiser and schedule
 # ----------------------------------------------------------------------------
 
+# The optimizer's implementation choices, which a loaded optimizer state would otherwise bring from the device
+# that saved it
+OPTIMIZER_KERNELS = ("fused", "foreach")
+
+
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float, device: torch.device):
     """AdamW; matrices decay, biases and norm gains do not."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -1017,6 +1022,7 @@ class DDPTrainer:
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
         # what a resumed state's optimizer is set back to (read here: a state that fails half-way may change them)
         self.configured_rates = [(g["initial_lr"], g["weight_decay"]) for g in self.optimizer.param_groups]
+        self.configured_kernels = [{k: g[k] for k in OPTIMIZER_KERNELS} for g in self.optimizer.param_groups]
         self.amp_dtype = amp_dtype_for(cfg, env.device)
         self.scaler = torch.amp.GradScaler("cuda") if self.amp_dtype == torch.float16 else None
 
@@ -1508,6 +1514,8 @@ class DDPTrainer:
                                 f"resuming it is refused (resume none or another run_name starts fresh; or use "
                                 f"the original model settings)") from exc
         self.optimizer.load_state_dict(state["optimizer"])
+        for group, kernels in zip(self.optimizer.param_groups, self.configured_kernels):
+            group.update(kernels)  # this device's, not the saving one's: a CPU state resumed on a GPU runs fused
         self.scheduler.load_state_dict(state["scheduler"])
         self._apply_configured_rates(self.configured_rates)
         if self.scaler and state["scaler"]:

@@ -272,6 +272,21 @@ def test_a_changed_learning_rate_applies_after_resume(tmp_path, no_launch_env, c
     assert "this run's [(0.001, 0.05), (0.001, 0.0)] apply" in (tmp_path / "logs" / "rank_0.log").read_text()
 
 
+def test_a_resumed_optimizer_keeps_this_devices_kernels(tmp_path, no_launch_env):
+    """An optimizer state carries the fused/foreach choice of the device that saved it, and torch's
+    load_state_dict takes it: a state from a GPU (fused) resumed on the CPU runs foreach, as configured here."""
+    cfg = cfg_for(tmp_path, max_steps=6)
+    DDPTrainer(config=cfg).train()
+    path = tmp_path / "ckpt" / "model_state_step_6.pt"
+    state = rt.load_checkpoint(path)
+    for group in state["optimizer"]["param_groups"]:
+        group.update(fused=True, foreach=None)  # as build_optimizer sets them on CUDA
+    rt.atomic_save(state, path)
+    t = DDPTrainer(config={**cfg, "max_steps": 8})
+    assert t.global_step == 6 and [(g["fused"], g["foreach"]) for g in t.optimizer.param_groups] == [(None, True)] * 2
+    assert t.train()["steps"] == 8
+
+
 @pytest.mark.parametrize("keep,kept", [(2, [15, 20]), (0, [5, 10, 15, 20])])  # 0: all of them
 def test_only_the_newest_states_are_kept(tmp_path, no_launch_env, keep, kept):
     DDPTrainer(config=cfg_for(tmp_path, keep_states=keep)).train()
