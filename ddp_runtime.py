@@ -158,12 +158,14 @@ def limit_cpu_threads(local_world_size: int) -> None:
 
 def cuda_index(local_rank: int) -> int:
     """The visible device for this local rank: LOCAL_RANK indexes the devices this process sees, except
-    where a scheduler binds one GPU to each task (`srun --gpus-per-task=1` sets CUDA_VISIBLE_DEVICES per
-    task): then each sees one, as cuda:0. Unbound, two ranks on one GPU would fail later, in NCCL."""
+    where SLURM binds one GPU to each task (`srun --gpus-per-task=1` sets CUDA_VISIBLE_DEVICES per task, and
+    the local rank is SLURM_LOCALID): then each sees one, as cuda:0. The processes torchrun or --nproc start
+    share one CUDA_VISIBLE_DEVICES: two ranks on one GPU would fail later, in NCCL."""
     count = torch.cuda.device_count()
     if local_rank < count:
         return local_rank
-    if count == 1 and os.environ.get("CUDA_VISIBLE_DEVICES"):
+    bound_per_task = "SLURM_LOCALID" in os.environ and "LOCAL_RANK" not in os.environ
+    if count == 1 and os.environ.get("CUDA_VISIBLE_DEVICES") and bound_per_task:
         return 0
     # not a ValueError: those are printed by rank 0 only, and this one never happens on rank 0
     raise RuntimeError(f"local rank {local_rank} (LOCAL_RANK or SLURM_LOCALID) has no GPU: this process sees "

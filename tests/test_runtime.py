@@ -94,15 +94,19 @@ def test_srun_tasks_share_their_node_not_the_world(no_slurm_step, monkeypatch):
     assert rt.capped_workers(8, int(os.environ["LOCAL_WORLD_SIZE"])) == min(8, rt.cpu_count() // 3)
 
 
-@pytest.mark.parametrize("local_rank, visible, bound, expected", [(1, 4, None, 1), (1, 1, "3", 0), (1, 1, None, None),
-                                                                  (3, 2, "0,1", None)])
-def test_each_local_rank_gets_a_visible_gpu_or_a_clear_error(monkeypatch, local_rank, visible, bound, expected):
+@pytest.mark.parametrize("local_rank, visible, bound, slurm, expected", [
+    (1, 4, None, False, 1), (1, 1, "3", True, 0), (1, 1, None, True, None), (3, 2, "0,1", True, None),
+    (1, 1, "3", False, None)])  # CUDA_VISIBLE_DEVICES=3 torchrun --nproc_per_node 2: both ranks see GPU 3
+def test_each_local_rank_gets_a_visible_gpu_or_a_clear_error(monkeypatch, local_rank, visible, bound, slurm,
+                                                             expected):
     """srun --gpus-per-task=1 shows each task one GPU (its own CUDA_VISIBLE_DEVICES), as cuda:0, whatever its
     SLURM_LOCALID; without such a binding a second rank on the one GPU is an error, not a clash in NCCL."""
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for var in ("CUDA_VISIBLE_DEVICES", "SLURM_LOCALID", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
     if bound is not None:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", bound)
+    monkeypatch.setenv(*(("SLURM_LOCALID", str(local_rank)) if slurm else ("LOCAL_RANK", str(local_rank))))
     if expected is None:
         with pytest.raises(RuntimeError, match=f"local rank {local_rank} .*has no GPU: this process sees {visible}"):
             rt.cuda_index(local_rank)
