@@ -1669,6 +1669,15 @@ def parameter_digests(model: torch.nn.Module) -> list:
     return out
 
 
+def broadcast_buffers(model: torch.nn.Module) -> None:
+    """Rank 0's buffers (BatchNorm's running statistics) on every rank. DDP broadcasts them before each
+    training forward, so after the last one every rank holds the statistics of its own batches: an
+    evaluation would mix them, and rank 0's are the ones its checkpoints hold."""
+    if dist.is_available() and dist.is_initialized():
+        for b in model.buffers():
+            dist.broadcast(b.data, 0)
+
+
 def check_replicas(model: torch.nn.Module) -> None:
     """Compare a hash of the parameters across ranks; a mismatch names the ranks and the
     first parameter that differs (one small all-gather; per-parameter detail only on failure)."""

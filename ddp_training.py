@@ -790,8 +790,9 @@ def evaluate_model(model: nn.Module, loader, loss_fn: LossFn, device: torch.devi
     reduced = rt.all_reduce_tensor(torch.stack([total[0], total[1]] + [extras.get(n, zero) for n in names])
                                    ).tolist()
     n = reduced[1]
-    if n == 0:
-        raise ValueError("evaluation set is empty")
+    if n == 0:  # the sets are checked not to be empty when a trainer is built
+        raise ValueError("evaluation: loss_fn returned a count of 0 over the whole set (no samples, or no item "
+                         "of theirs counted)")
     return {"loss": reduced[0] / n, "count": n, **{k: v / n for k, v in zip(names, reduced[2:])}}
 
 
@@ -988,6 +989,13 @@ class DDPTrainer:
                                                   timeout_s=cfg.loader_timeout)
         else:
             self.train_loader = loader(train_dataset, True)
+        for name, ds in (("val_dataset", val_dataset), ("test_dataset", test_dataset)):
+            if isinstance(ds, torch.utils.data.IterableDataset) or (ds is not None and not hasattr(ds, "__len__")):
+                raise ValueError(f"{name}: evaluation shards a set by index over the ranks; a stream "
+                                 f"({type(ds).__name__}) cannot be, give a map-style dataset (__len__, __getitem__)")
+            if ds is not None and len(ds) == 0:
+                raise ValueError(f"{name} is empty (0 samples); pass None for no "
+                                 f"{'validation' if name == 'val_dataset' else 'test'} set")
         self.val_loader = loader(val_dataset, False) if val_dataset is not None else None
         if self.val_loader is None and (cfg.patience or cfg.target_loss is not None):
             raise ValueError(f"patience={cfg.patience}, target_loss={cfg.target_loss}: early stopping reads the "
@@ -1316,6 +1324,7 @@ class DDPTrainer:
             raise ValueError("evaluate(): this trainer has no validation set (val_dataset= not given, or "
                              "val_fraction=0); pass evaluate(loader)")
         self.set_train_mode = True
+        rt.broadcast_buffers(self.raw_model)
         try:
             return evaluate_model(self.raw_model, loader, self.loss_fn, self.env.device, self._autocast,
                                   self.non_blocking, self.log)

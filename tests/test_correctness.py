@@ -561,6 +561,45 @@ def _tiny_val_worker(rank, world_size):
         rt.teardown_distributed()
 
 
+def _bn_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def _bn_sets():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(84, 8, generator=g) * torch.linspace(0.5, 3, 84).unsqueeze(1)  # shards of other statistics
+    y = x[:, :1] * 2 + torch.randn(84, 1, generator=g)
+    return TensorDataset(x[:64], y[:64]), TensorDataset(x[64:], y[64:])
+
+
+def _mse_sum(model, batch):
+    x, y = batch
+    return F.mse_loss(model(x), y, reduction="sum"), len(x)
+
+
+def _bn_worker(rank, world_size, root):
+    train, val = _bn_sets()
+    cfg = dict(batch_size=8, max_steps=3, warmup_steps=0, val_interval=0, save_interval=0, resume="none",
+               device="cpu", log_dir=f"{root}/logs", checkpoint_dir=f"{root}/ckpt")
+    s = DDPTrainer(rank=rank, world_size=world_size, config=cfg, model=_bn_model(), train_dataset=train,
+                   val_dataset=val, test_dataset=val, loss_fn=_mse_sum).train()
+    return s["final_val_loss"], s["test_loss"]
+
+
+def test_validation_of_a_batchnorm_model_is_that_of_its_saved_weights(tmp_path):
+    """After the last training forward each rank holds the running statistics of its own batches (DDP
+    broadcasts rank 0's only before a training forward): evaluation takes rank 0's, which its checkpoints
+    hold, so the reported loss is the saved model's on the whole set."""
+    results = spawn_by_value(_bn_worker, 2, str(tmp_path))
+    model = _bn_model()
+    model.load_state_dict(torch.load(tmp_path / "ckpt" / "model_final.pt", weights_only=True)["model"])
+    _, val = _bn_sets()
+    expected = evaluate_model(model, torch.utils.data.DataLoader(val, batch_size=7), _mse_sum, torch.device("cpu"))
+    assert all(abs(loss - expected["loss"]) < RTOL * expected["loss"] for r in results for loss in r), \
+        (results, expected["loss"])
+
+
 # =============================================================================================
 # 3. Overfitting: the loop can drive the loss to ~0 on data it can memorise
 # =============================================================================================

@@ -337,6 +337,26 @@ def test_evaluate_without_a_validation_set_says_so(tmp_path, no_launch_env):
     assert trainer.evaluate(trainer.train_loader)["loss"] > 0
 
 
+def test_an_empty_or_streamed_evaluation_set_is_refused_at_set_up(tmp_path, no_launch_env):
+    """Found at the first validation (an epoch lost, no weights saved) or after the test pass (a finished run
+    without its summary, every relaunch again), and named as neither set: now refused before training."""
+    data = _markov(QUICK)
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(data.val)
+    empty = torch.utils.data.Subset(data.val, [])
+    for kwargs, message in [({"val_dataset": empty}, r"val_dataset is empty \(0 samples\); pass None for no "
+                                                     r"validation set"),
+                            ({"test_dataset": empty}, r"test_dataset is empty \(0 samples\)"),
+                            ({"val_dataset": Stream()}, r"val_dataset: evaluation shards a set by index over the "
+                                                        r"ranks; a stream \(Stream\) cannot be")]:
+        with pytest.raises(ValueError, match=message):
+            DDPTrainer(config={**QUICK, **dirs(tmp_path)}, model=CausalLM(64, 32, 2, 2, 32),
+                       train_dataset=data.train, **{"val_dataset": data.val, **kwargs})
+    assert not (tmp_path / "ckpt").exists() or not list((tmp_path / "ckpt").glob("*.pt"))
+
+
 def test_a_second_trainer_in_a_run_dir_in_use_is_refused_until_the_first_is_done(tmp_path, no_launch_env):
     """Two runs in one dir would set each other's states aside; the lock is the kernel's, so it goes with
     the process that holds it, however that ends."""
