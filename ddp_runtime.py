@@ -850,16 +850,36 @@ def map_tensors(fn, obj: Any, strict: bool = False) -> Any:
 
 
 def split_batch(batch, part: int, parts: int):
-    """Samples part, part+parts, ... of a batch (tensors, or lists/tuples/dicts of them)."""
-    return map_tensors(lambda t: t[part::parts], batch, strict=True)
+    """Samples part, part+parts, ... of a batch: its tensors along their first dimension, and lists of plain
+    values with one per sample (the ids a collate_fn keeps as a list) alike; other values stay whole."""
+    n = batch_len(batch)
+
+    def take(obj):
+        if isinstance(obj, torch.Tensor):
+            return obj[part::parts]
+        if isinstance(obj, dict):
+            return type(obj)((k, take(v)) for k, v in obj.items())
+        if isinstance(obj, (list, tuple)):
+            if len(obj) == n and not any(isinstance(v, (torch.Tensor, list, tuple, dict)) for v in obj):
+                items = list(obj[part::parts])
+            else:
+                items = [take(v) for v in obj]
+            return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+        return obj
+    return take(batch)
 
 
 def batch_len(batch) -> int:
-    """Samples in a batch (the first tensor's leading dimension)."""
+    """Samples in a batch: the leading dimension of its first tensor."""
     if isinstance(batch, torch.Tensor):
         return batch.shape[0]
-    first = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
-    return batch_len(first)
+    for item in (batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()):
+        if isinstance(item, (torch.Tensor, dict, list, tuple)):
+            try:
+                return batch_len(item)
+            except TypeError:
+                continue
+    raise TypeError(f"a batch holds no tensor: {type(batch).__name__}")
 
 
 class _DispatchSampler:

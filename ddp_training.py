@@ -1049,9 +1049,13 @@ class DDPTrainer:
         # every micro-step (averaging is linear, so the result is the same; it costs extra all-reduces once).
         local = self.env.is_distributed and not last and not (self.static_graph and not self.stepped)
         sync = model.no_sync() if local else contextlib.nullcontext()
+        # a replay only completes the collectives: it must not move BatchNorm's running statistics either
+        kept = [(b, b.clone()) for b in self.raw_model.buffers()] if weight == 0 else []
         with sync:
             with self._autocast():
                 out = self.loss_fn(model, batch)
+            for b, value in kept:
+                b.data.copy_(value)
             # Scaling by a constant that is equal on all ranks keeps DDP's average a plain
             # sum; the true 1/global_count is applied once all counts are known.
             scaled = out[0].float() * (weight / self.cfg.batch_size)
@@ -1214,9 +1218,10 @@ class DDPTrainer:
         return norm
 
     def _tiny_spare(self, why: str):
-        """One sample of the spare batch: enough to complete this rank's collectives with
-        weight zero, small enough to fit after an out-of-memory error."""
-        return rt.split_batch(self._spare(why), 0, self.cfg.batch_size)
+        """Two samples of the spare batch: enough to complete this rank's collectives with weight zero (one
+        is too few for BatchNorm in training mode), small enough to fit after an out-of-memory error."""
+        spare = self._spare(why)
+        return rt.split_batch(spare, 0, max(1, rt.batch_len(spare) // 2))
 
     def _split_micro_batches(self, micro: list, ways: int, retry: bool = False) -> list:
         """Each micro-batch in `ways` pieces. A failed batch stays one error (counted by its first piece), and

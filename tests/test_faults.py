@@ -614,6 +614,86 @@ def test_out_of_memory_frees_the_failed_forward_before_the_replay(tmp_path, no_l
     assert seen["alive_at_replay"] is False and (summary["status"], summary["steps"]) == ("completed", 2)
 
 
+class IdsAndFeatures(torch.utils.data.Dataset):
+    """Samples as dicts with an id string: collated, a batch holds a list of ids beside its tensors."""
+
+    def __init__(self, n, bad=()):
+        g = torch.Generator().manual_seed(5)
+        self.x, self.bad = torch.randn(n, 8, generator=g) * torch.linspace(0.5, 3, n).unsqueeze(1), set(bad)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        if i in self.bad:
+            raise OSError(f"sample {i} unreadable")
+        return {"x": self.x[i], "y": self.x[i, :1] * 2, "id": f"sample-{i}"}
+
+
+def bn_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+
+
+class BatchNormLoss:
+    """MSE of a BatchNorm model on IdsAndFeatures batches; raises `error` at the `at`-th training call."""
+
+    def __init__(self, at=None, error=None):
+        self.at, self.error, self.calls = at, error, 0
+
+    def __call__(self, model, batch):
+        assert len(batch["id"]) == len(batch["x"])
+        self.calls += model.training
+        if self.error is not None and self.calls == self.at and model.training:
+            raise self.error
+        return nn.functional.mse_loss(model(batch["x"]), batch["y"], reduction="sum"), len(batch["x"])
+
+
+def _bn_step_error(rank, world_size, root):
+    error = ValueError("injected") if rank == 1 else None
+    try:
+        DDPTrainer(rank=rank, world_size=world_size, config=cfg_for(root, batch_size=4, max_steps=4),
+                   model=bn_model(), train_dataset=IdsAndFeatures(64), loss_fn=BatchNormLoss(2, error)).train()
+        return "completed"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_a_step_error_with_batchnorm_and_id_lists_fails_every_rank_alike(tmp_path):
+    """The weight-zero replay that completes the failed rank's collectives takes two samples of a batch
+    (one is too few for BatchNorm in training mode) and slices a batch's list of ids with its tensors;
+    either failure used to end that rank in StepAbandoned instead of the step failing on every rank."""
+    results = spawn(_bn_step_error, 2, str(tmp_path), timeout=90)
+    assert all(r.startswith("StepFailed: step 2 failed on rank 1: ValueError in forward: injected") for r in results), \
+        results
+    assert (tmp_path / "ckpt" / "model_interrupted.pt").exists()
+
+
+def test_replays_leave_batchnorm_statistics_alone_and_oom_splits_id_lists(tmp_path, no_launch_env):
+    """A batch that failed to load is replayed (weight zero) from one that loaded; its forward must not count
+    in BatchNorm's running statistics. Out of memory splits a batch's list of ids with its tensors."""
+    model, good = bn_model(), IdsAndFeatures(32)
+    cfg = cfg_for(tmp_path, batch_size=4, max_steps=3)
+
+    class FailsAtStep2(torch.utils.data.Dataset):  # every sample of step 2's one batch fails: only a replay
+        def __len__(self):
+            return len(good)
+
+        def __getitem__(self, i):
+            if trainer.global_step == 1:
+                raise OSError("unreadable")
+            return good[i]
+    trainer = DDPTrainer(config=cfg, model=model, train_dataset=FailsAtStep2(), loss_fn=BatchNormLoss())
+    summary = trainer.train()
+    assert summary["steps"] == 3 and summary["skipped_steps"] == 1
+    assert int(model[1].num_batches_tracked) == 2  # the two real steps' forwards, not the replay's
+    oom = BatchNormLoss(1, torch.OutOfMemoryError("CUDA out of memory (simulated)"))
+    summary = DDPTrainer(config=cfg_for(tmp_path / "oom", batch_size=4, max_steps=2), model=bn_model(),
+                         train_dataset=good, loss_fn=oom).train()
+    assert summary["steps"] == 2
+    assert "retrying step 1 with micro-batches split 2 ways" in (tmp_path / "oom" / "logs" / "rank_0.log").read_text()
+
+
 class OutOfMemoryOnce:
     """lm_loss that runs out of memory in its first training forward (where `hit`)."""
 
