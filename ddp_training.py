@@ -631,6 +631,33 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: floa
 LossFn = Callable[[nn.Module, Any], tuple]
 
 
+def loss_terms(out) -> tuple:
+    """What loss_fn returned, checked: (loss_sum, count, extras), each of one element; a mistake is a
+    TypeError that names loss_fn and what it returned (not an error deep inside the step)."""
+    def what(x):
+        return f"a tensor of shape {tuple(x.shape)}" if torch.is_tensor(x) else type(x).__name__
+
+    def number(x, role: str):
+        if torch.is_tensor(x) and x.numel() == 1:
+            return x.reshape(())
+        if isinstance(x, (int, float)) and not isinstance(x, bool):
+            return x
+        raise TypeError(f"loss_fn's {role} must be a number or a tensor of one element, got {what(x)}")
+
+    if not isinstance(out, (tuple, list)) or len(out) not in (2, 3):
+        raise TypeError(f"loss_fn must return (loss_sum, count) or (loss_sum, count, {{name: sum}}), got "
+                        f"{what(out) if not isinstance(out, (tuple, list)) else f'{len(out)} values'}")
+    if not (torch.is_tensor(out[0]) and out[0].numel() == 1):
+        raise TypeError(f"loss_fn's loss_sum must be a tensor of one element (the loss summed over the batch), "
+                        f"got {what(out[0])}")
+    extras = out[2] if len(out) == 3 else {}
+    if not isinstance(extras, dict):
+        raise TypeError(f"loss_fn's extras must be a dict {{name: sum}}, got {what(extras)}")
+    extras = {k: torch.as_tensor(number(v, f"extra {k!r}"), dtype=torch.float64, device=out[0].device)
+              for k, v in extras.items()}
+    return out[0].reshape(()), number(out[1], "count"), extras
+
+
 class StateMismatch(ValueError):
     """A resumable state of a run with another world size, batch size, seed, ..."""
 
@@ -768,10 +795,10 @@ def evaluate_model(model: nn.Module, loader, loss_fn: LossFn, device: torch.devi
         for batch in loader:
             batch = to_device(batch, device, non_blocking)
             with autocast():
-                out = loss_fn(model, batch)
+                out = loss_terms(loss_fn(model, batch))
             total[0] += out[0].double()
             total[1] += torch.as_tensor(out[1], device=device).double()
-            for name, v in (out[2] if len(out) > 2 else {}).items():
+            for name, v in out[2].items():
                 extras[name] = extras.get(name, 0.0) + v.double()
     except Exception as exc:
         where = traceback.extract_tb(exc.__traceback__)[-1]
@@ -1053,7 +1080,7 @@ class DDPTrainer:
         kept = [(b, b.clone()) for b in self.raw_model.buffers()] if weight == 0 else []
         with sync:
             with self._autocast():
-                out = self.loss_fn(model, batch)
+                out = loss_terms(self.loss_fn(model, batch))
             for b, value in kept:
                 b.data.copy_(value)
             # Scaling by a constant that is equal on all ranks keeps DDP's average a plain
@@ -1064,9 +1091,8 @@ class DDPTrainer:
             except Exception as exc:
                 exc.ddp_phase = "backward"
                 raise
-        extras = out[2] if len(out) > 2 else {}
         count = out[1].detach() if torch.is_tensor(out[1]) else float(out[1])
-        return out[0].detach() * weight, count * weight, {k: v.detach() * weight for k, v in extras.items()}
+        return out[0].detach() * weight, count * weight, {k: v.detach() * weight for k, v in out[2].items()}
 
     def _extra_names(self, mine: list) -> list:
         """The names of the loss's extras, agreed at this process's first step (one gather, once)."""

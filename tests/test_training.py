@@ -337,6 +337,30 @@ def test_evaluate_without_a_validation_set_says_so(tmp_path, no_launch_env):
     assert trainer.evaluate(trainer.train_loader)["loss"] > 0
 
 
+@pytest.mark.parametrize("returns, message", [
+    (lambda s, c: (s, c, {"copy": s.item()}), None),  # a plain number is an extra like a tensor
+    (lambda s, c: (s, torch.tensor([c])), None),  # so is a count of shape [1]
+    (lambda s, c: s, r"loss_fn must return \(loss_sum, count\) or \(loss_sum, count, \{name: sum\}\), got a tensor "
+                     r"of shape \(\)"),
+    (lambda s, c: (s.repeat(3), c), r"loss_fn's loss_sum must be a tensor of one element \(the loss summed over the "
+                                    r"batch\), got a tensor of shape \(3,\)"),
+    (lambda s, c: (s, c, {"e": s.repeat(2)}), r"loss_fn's extra 'e' must be a number or a tensor of one element, "
+                                              r"got a tensor of shape \(2,\)"),
+    (lambda s, c: (s, "many"), r"loss_fn's count must be a number or a tensor of one element, got str"),
+])
+def test_what_loss_fn_returns_is_checked_and_named(tmp_path, no_launch_env, returns, message):
+    """A mistake in loss_fn's return value surfaced as an error deep inside the step (a 0-d tensor indexed,
+    a broadcast shape, 'float' has no attribute 'detach'), never naming loss_fn."""
+    from ddp_training import lm_loss
+    cfg = {**QUICK, **dirs(tmp_path), "max_steps": 2, "val_interval": 0}
+    trainer = DDPTrainer(config=cfg, loss_fn=lambda model, batch: returns(*lm_loss(model, batch)))
+    if message is None:
+        assert trainer.train()["steps"] == 2
+    else:
+        with pytest.raises(Exception, match=message):
+            trainer.train()
+
+
 def test_an_empty_or_streamed_evaluation_set_is_refused_at_set_up(tmp_path, no_launch_env):
     """Found at the first validation (an epoch lost, no weights saved) or after the test pass (a finished run
     without its summary, every relaunch again), and named as neither set: now refused before training."""
