@@ -106,7 +106,7 @@ HELP = {
     "keep_states": "resumable states kept, newest first; 0 = all",
     "async_checkpoint": "rank 0 writes checkpoints on a background thread from a host copy",
     "max_errors_per_epoch": "batches that may fail to load per epoch before the run stops",
-    "max_bad_steps": "consecutive non-finite steps (skipped) before the run stops",
+    "max_bad_steps": "consecutive skipped steps (non-finite, or nothing counted) before the run stops",
 }
 
 
@@ -1134,11 +1134,13 @@ class DDPTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             if self.scaler:
                 self.scaler.update()
-            result.update(skipped=True, nonfinite=nonfinite, grad_norm=float("nan"), retry=bool(g["oom"]))
-            if g["nonfinite"] > 0:  # the tally left the non-finite losses out: what it holds is no measurement
+            empty = count == 0 and not g["oom"]  # nothing counted on any rank: no loss to learn from
+            result.update(skipped=True, nonfinite=nonfinite, empty=empty, grad_norm=float("nan"),
+                          retry=bool(g["oom"]))
+            if g["nonfinite"] > 0 or empty:  # the tally left the non-finite losses out, or holds nothing
                 result["loss"], result["extras"] = float("nan"), dict.fromkeys(names, float("nan"))
             return result
-        result.update(skipped=False, nonfinite=False, grad_norm=self._apply_update(grads, raw_norm_value, count))
+        result.update(skipped=False, nonfinite=False, empty=False, grad_norm=self._apply_update(grads, raw_norm_value, count))
         return result
 
     def _accumulate(self, micro_batches: list) -> tuple:
@@ -1981,7 +1983,8 @@ class DDPTrainer:
     def _after_step(self, r: dict, step_time: float, global_batch: int) -> None:
         cfg = self.cfg
         self.skipped_steps += r["skipped"]
-        self.consecutive_bad_steps = self.consecutive_bad_steps + 1 if r["nonfinite"] else 0
+        bad = r["nonfinite"] or r["empty"]
+        self.consecutive_bad_steps = self.consecutive_bad_steps + 1 if bad else 0
         count = r["count"] if self.tokens_per_sample is None else global_batch * self.tokens_per_sample
         mfu = None if self.mfu_per_unit is None else self.mfu_per_unit * count / step_time
         record = {"type": "train", "step": self.global_step, "epoch": self.epoch, "loss": r["loss"],
@@ -1994,16 +1997,20 @@ class DDPTrainer:
         if mem:
             record.update(mem)
         self.write_metrics(record)
-        if not r["nonfinite"]:
+        if not bad:
             return
-        self.log.warning("non-finite loss or gradients at step %d on some rank: step skipped on all ranks "
-                         "(%d in a row)", self.global_step, self.consecutive_bad_steps)
+        what = ("non-finite loss or gradients" if r["nonfinite"] else
+                "no counted items (loss_fn returned a count of 0 on every rank, or every batch failed to load)")
+        self.log.warning("%s at step %d: step skipped on all ranks (%d in a row)", what, self.global_step,
+                         self.consecutive_bad_steps)
         if self.consecutive_bad_steps >= cfg.max_bad_steps:
             # Skipped steps left the weights untouched: these are the last good ones.
             self._save_last_good()
-            raise FloatingPointError(f"{self.consecutive_bad_steps} consecutive non-finite steps "
-                                     f"(max_bad_steps={cfg.max_bad_steps}) at step {self.global_step}; "
-                                     f"last good weights saved to {self.checkpoint_path('interrupted')}")
+            n = self.consecutive_bad_steps
+            error, text = ((FloatingPointError, f"{n} consecutive non-finite steps") if r["nonfinite"] else
+                           (StepFailed, f"{n} consecutive skipped steps, the last with {what}"))
+            raise error(f"{text} (max_bad_steps={cfg.max_bad_steps}) at step {self.global_step}; last good weights "
+                        f"saved to {self.checkpoint_path('interrupted')}")
 
     def _write_resolved_config(self) -> None:
         import yaml

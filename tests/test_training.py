@@ -396,6 +396,19 @@ def test_a_second_trainer_in_a_run_dir_in_use_is_refused_until_the_first_is_done
     assert DDPTrainer(config={**cfg, "max_steps": 6}).train()["steps"] == 6  # resumed
 
 
+def test_steps_that_count_nothing_are_skipped_and_stop_the_run_after_max_bad_steps(tmp_path, no_launch_env):
+    """A loss_fn whose count is always 0 trained nothing, yet the run 'completed' with every step skipped and
+    the loss sums logged as losses."""
+    from ddp_training import StepFailed, lm_loss
+    cfg = {**QUICK, **dirs(tmp_path), "max_bad_steps": 3, "val_interval": 0}
+    with pytest.raises(StepFailed, match=r"3 consecutive skipped steps, the last with no counted items \(loss_fn "
+                                         r"returned a count of 0 on every rank"):
+        DDPTrainer(config=cfg, loss_fn=lambda model, batch: (lm_loss(model, batch)[0], 0)).train()
+    train = metrics(tmp_path / "logs", "train")
+    assert [(r["step"], r["skipped"], r["loss"]) for r in train] == [(1, True, None), (2, True, None), (3, True, None)]
+    assert (tmp_path / "ckpt" / "model_interrupted.pt").exists()
+
+
 def test_nonfinite_loss_skips_the_step_and_gives_up_after_max_bad_steps(tmp_path, no_launch_env):
     from ddp_training import lm_loss
     data = _markov(QUICK)
