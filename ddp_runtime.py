@@ -981,8 +981,11 @@ class DispatchLoader:
         self.collate_fn = collate_fn or torch.utils.data.default_collate
         stream = isinstance(dataset, torch.utils.data.IterableDataset)
         parts = _PartsCollate(self.collate_fn, world_size, together=stream)
-        self.reader = None
-        if rank == 0:
+        self.reader, problem = None, None
+        if rank == 0 and not stream and len(dataset) < batch_size * world_size:  # told to every rank, below
+            problem = (f"training set of {len(dataset)} samples gives {len(dataset) // world_size} per rank, fewer "
+                       f"than batch_size={batch_size}: no full batch per epoch")
+        elif rank == 0:
             if stream:
                 # drop_last as for training under shard: a short last global batch would leave a rank no samples
                 self.reader = DataLoader(dataset, batch_size=batch_size * world_size, collate_fn=parts,
@@ -1001,7 +1004,9 @@ class DispatchLoader:
                 length = len(self.reader)
             except TypeError:  # a stream of unknown length: the run is bounded by max_steps
                 length = None
-        self.length = broadcast_object(length)
+        self.length, problem = broadcast_object((length, problem))
+        if problem:
+            raise ValueError(problem)
 
     def __len__(self) -> int:
         if self.length is None:

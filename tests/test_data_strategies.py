@@ -97,6 +97,22 @@ def test_an_iterable_training_set_needs_dispatch(tmp_path, no_launch_env):
                    train_dataset=Stream(data.train, 64))
 
 
+def _too_small(rank, world_size, root):
+    data = synthetic_lm_data(TrainConfig.from_dict(CFG))
+    try:
+        DDPTrainer(rank=rank, world_size=world_size, config={**CFG, "data_strategy": "dispatch", "batch_size": 4,
+                                                             "log_dir": root},
+                   model=CausalLM(64, 32, 1, 2, 16), train_dataset=torch.utils.data.Subset(data.train, range(6)))
+    except ValueError as exc:
+        return str(exc)
+
+
+def test_dispatch_of_a_training_set_too_small_for_a_batch_per_rank_is_one_error_on_every_rank(tmp_path):
+    # before: rank 0 gave the global numbers (6 per rank, batch_size=8), rank 1 gloo's "Connection closed by peer"
+    assert spawn(_too_small, 2, str(tmp_path)) == ["training set of 6 samples gives 3 per rank, fewer than "
+                                                   "batch_size=4: no full batch per epoch"] * 2
+
+
 class StallsOnce(torch.utils.data.Dataset):
     """Rank 0's reads stall for longer than dist_timeout at the start of step 2."""
 
