@@ -1520,6 +1520,10 @@ class DDPTrainer:
         self.state_step = self.global_step
         self.log.info("resumed from %s at step %d (epoch %d, %d steps into it)", chosen,
                       self.global_step, self.epoch, self.step_in_epoch)
+        if self.known_steps_per_epoch is None and self.step_in_epoch:
+            self.log.warning("the training set is a stream, which cannot be read from a position: the resumed run "
+                             "reads it from its start, not from where step %d left it (exact resume is for "
+                             "map-style datasets)", self.global_step)
         return chosen
 
     def _run_signature(self) -> dict:

@@ -90,6 +90,19 @@ def test_a_stream_read_by_rank_0_ends_every_epoch_on_all_ranks_together(tmp_path
     assert spawn(_stream, 2, str(tmp_path)) == [("completed", 10, 2)] * 2
 
 
+def test_a_resumed_stream_says_it_starts_again_from_its_first_sample(tmp_path, no_launch_env):
+    data = synthetic_lm_data(TrainConfig.from_dict(CFG))
+    cfg = {**CFG, "data_strategy": "dispatch", "save_every_iters": 2, "keep_states": 0, "resume": "auto",
+           "log_dir": str(tmp_path)}
+    for steps in (3, 5):
+        DDPTrainer(config={**cfg, "max_steps": steps}, model=CausalLM(64, 32, 1, 2, 16),
+                   train_dataset=Stream(data.train, 160), val_dataset=data.val).train()
+        for f in (tmp_path / "checkpoints").glob("model_state_step_3.pt*"):
+            f.unlink()  # the run resumes from its state of step 2, in the middle of the stream
+    assert ("the training set is a stream, which cannot be read from a position: the resumed run reads it from "
+            "its start, not from where step 2 left it") in (tmp_path / "rank_0.log").read_text()
+
+
 def test_an_iterable_training_set_needs_dispatch(tmp_path, no_launch_env):
     data = synthetic_lm_data(TrainConfig.from_dict(CFG))
     with pytest.raises(ValueError, match="data_strategy dispatch"):
