@@ -159,12 +159,13 @@ def limit_cpu_threads(local_world_size: int) -> None:
 def cuda_index(local_rank: int) -> int:
     """The visible device for this local rank: LOCAL_RANK indexes the devices this process sees, except
     where SLURM binds one GPU to each task (`srun --gpus-per-task=1` sets CUDA_VISIBLE_DEVICES per task, and
-    the local rank is SLURM_LOCALID): then each sees one, as cuda:0. The processes torchrun or --nproc start
-    share one CUDA_VISIBLE_DEVICES: two ranks on one GPU would fail later, in NCCL."""
+    the local rank is its SLURM_LOCALID): then each sees one, as cuda:0. The processes torchrun or --nproc
+    start share one CUDA_VISIBLE_DEVICES: two ranks on one GPU would fail later, in NCCL."""
     count = torch.cuda.device_count()
     if local_rank < count:
         return local_rank
-    bound_per_task = "SLURM_LOCALID" in os.environ and "LOCAL_RANK" not in os.environ
+    # a SLURM task's own local rank (not --nproc's ranks in the batch script) and no torchrun worker
+    bound_per_task = os.environ.get("SLURM_LOCALID") == str(local_rank) and "TORCHELASTIC_RUN_ID" not in os.environ
     if count == 1 and os.environ.get("CUDA_VISIBLE_DEVICES") and bound_per_task:
         return 0
     # not a ValueError: those are printed by rank 0 only, and this one never happens on rank 0
@@ -339,8 +340,8 @@ def note_for_torchrun(message: str) -> None:
     if not path:
         return
     reason = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}
-    try:
-        Path(path).write_text(json.dumps(reason))
+    try:  # whole or not at all: torchrun's summary fails on a file it cannot parse
+        atomic_write_text(path, json.dumps(reason))
     except OSError as exc:  # the reason is on stderr all the same
         print(f"cannot write torchrun's error file {path}: {exc}", file=sys.stderr)
 
@@ -442,20 +443,22 @@ def run_on_rank0(fn, *args, what: str = "operation", **kwargs):
 # Logging
 # ----------------------------------------------------------------------------
 
-def setup_logger(log_dir: Optional[str | os.PathLike], rank: int, debug: bool = False,
-                 name: str = "ddp") -> logging.Logger:
+def setup_logger(log_dir: str | os.PathLike, rank: int, debug: bool = False, name: str = "ddp",
+                 keep: bool = False) -> logging.Logger:
     """`rank_N.log` for every rank; console from rank 0 only (every rank with debug). A log dir that cannot
-    be written is a ValueError (bad input) that names it. Without a log dir (the run dir is not ours yet: it
-    may be locked by another run) the records are kept, and the next call that names one writes them first."""
+    be written is a ValueError (bad input) that names it. With `keep` (the run dir is not this run's yet: it
+    may be locked by another run) the file's records are kept instead: the next call for that file writes
+    them first, and write_kept_logs() writes them where set-up ends before that."""
     logger = logging.getLogger(f"{name}.rank{rank}")
-    kept = [r for h in logger.handlers if isinstance(h, _KeptRecords) for r in h.records]
-    if log_dir is None:  # a new start: what an earlier one kept (a run refused in this process) is dropped
-        kept = []
-        fh = _KeptRecords()
+    path = Path(log_dir) / f"rank_{rank}.log"
+    kept = [r for h in logger.handlers if isinstance(h, _KeptRecords) and h.path == path and not keep
+            for r in h.take()]  # another file's (an earlier set-up in this process) are not this run's
+    if keep:
+        fh = _KeptRecords(path)
     else:
         try:
-            Path(log_dir).mkdir(parents=True, exist_ok=True)
-            fh = logging.FileHandler(Path(log_dir) / f"rank_{rank}.log", mode="a")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fh = logging.FileHandler(path, mode="a")
         except OSError as exc:
             raise ValueError(f"log_dir {log_dir}: cannot write rank_{rank}.log there ({type(exc).__name__}: "
                              f"{exc}){symlink_note(log_dir)}") from exc
@@ -475,14 +478,40 @@ def setup_logger(log_dir: Optional[str | os.PathLike], rank: int, debug: bool = 
 
 
 class _KeptRecords(logging.Handler):
-    """A log file to be: the records of a logger whose run dir is not known to be this run's yet."""
+    """A log file to be (`path`): the records of a logger whose run dir is not known to be this run's yet."""
 
-    def __init__(self):
+    def __init__(self, path: Path):
         super().__init__()
-        self.records: list = []
+        self.path, self.records = path, []
+        _KEPT_LOGS.add(self)
 
     def emit(self, record):
         self.records.append(record)
+
+    def take(self) -> list:
+        records, self.records = self.records, []
+        return records
+
+    def write_out(self) -> None:
+        records = self.take()
+        if not records:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as f:
+                f.writelines(self.format(r) + "\n" for r in records)
+        except OSError as exc:  # the console had them (rank 0); the error that ends set-up goes on
+            print(f"cannot write {self.path}: {exc}", file=sys.stderr)
+
+
+_KEPT_LOGS: "weakref.WeakSet[_KeptRecords]" = weakref.WeakSet()
+
+
+def write_kept_logs() -> None:
+    """Write the records kept for run dirs (setup_logger(keep=True)) into their files: for a set-up that ends
+    before its trainer took the dir, and not because another run holds it."""
+    for handler in list(_KEPT_LOGS):
+        handler.write_out()
 
 
 def symlink_note(path) -> str:
@@ -850,8 +879,9 @@ def map_tensors(fn, obj: Any, strict: bool = False) -> Any:
 
 
 def split_batch(batch, part: int, parts: int):
-    """Samples part, part+parts, ... of a batch: its tensors along their first dimension, and lists of plain
-    values with one per sample (the ids a collate_fn keeps as a list) alike; other values stay whole."""
+    """Samples part, part+parts, ... of a batch: its tensors along their first dimension, and lists of strings
+    with one per sample (ids, which default_collate keeps as a list) alike; other values stay whole (a list of
+    numbers the length of the batch may be anything: an image size)."""
     n = batch_len(batch)
 
     def take(obj):
@@ -860,7 +890,7 @@ def split_batch(batch, part: int, parts: int):
         if isinstance(obj, dict):
             return type(obj)((k, take(v)) for k, v in obj.items())
         if isinstance(obj, (list, tuple)):
-            if len(obj) == n and not any(isinstance(v, (torch.Tensor, list, tuple, dict)) for v in obj):
+            if len(obj) == n and all(isinstance(v, (str, bytes)) for v in obj):
                 items = list(obj[part::parts])
             else:
                 items = [take(v) for v in obj]
@@ -1202,6 +1232,7 @@ class SetUpWatch:
         if holder is not None:  # a run refused there, or about to be: the marker would be the other run's
             where, code = f"; {self.log_dir} is in use by {holder}: no marker there", 1
         elif self.log_dir is not None:
+            write_kept_logs()
             record = {"step": None, "signal": name, "stopped_during": "set-up"}
             try:
                 where = f"; marker {write_preempted_marker(self.log_dir, record)}"

@@ -14,12 +14,14 @@ all-reduced value, so all ranks take the same branch at the same step.
 from __future__ import annotations
 
 import argparse
+import collections.abc
 import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import math
+import numbers
 import os
 import random
 import re
@@ -640,8 +642,10 @@ def loss_terms(out) -> tuple:
     def number(x, role: str):
         if torch.is_tensor(x) and x.numel() == 1:
             return x.reshape(())
-        if isinstance(x, (int, float)) and not isinstance(x, bool):
-            return x
+        if isinstance(x, np.ndarray) and x.size == 1:
+            x = x.item()
+        if isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_)):  # numpy's numbers too
+            return float(x)
         raise TypeError(f"loss_fn's {role} must be a number or a tensor of one element, got {what(x)}")
 
     if not isinstance(out, (tuple, list)) or len(out) not in (2, 3):
@@ -651,11 +655,15 @@ def loss_terms(out) -> tuple:
         raise TypeError(f"loss_fn's loss_sum must be a tensor of one element (the loss summed over the batch), "
                         f"got {what(out[0])}")
     extras = out[2] if len(out) == 3 else {}
-    if not isinstance(extras, dict):
+    if not isinstance(extras, collections.abc.Mapping):
         raise TypeError(f"loss_fn's extras must be a dict {{name: sum}}, got {what(extras)}")
     extras = {k: torch.as_tensor(number(v, f"extra {k!r}"), dtype=torch.float64, device=out[0].device)
               for k, v in extras.items()}
     return out[0].reshape(()), number(out[1], "count"), extras
+
+
+class RunDirInUse(ValueError):
+    """The run dirs are locked by another run (or another trainer in this process)."""
 
 
 class StateMismatch(ValueError):
@@ -886,8 +894,8 @@ class DDPTrainer:
                      "or drop it" if holder.startswith(rt.RunDirLock.this_process()) else
                      "another run (or the ranks of one whose launcher was killed); stop it, or give this run "
                      "another run_name")
-            raise ValueError(f"the run dirs (log_dir {cfg.log_dir}, checkpoint_dir {cfg.checkpoint_dir}) are in use "
-                             f"by {holder}: {whose}")
+            raise RunDirInUse(f"the run dirs (log_dir {cfg.log_dir}, checkpoint_dir {cfg.checkpoint_dir}) are in "
+                              f"use by {holder}: {whose}")
         self.log = rt.setup_logger(cfg.log_dir, env.rank, cfg.debug)
         self._tb_writer = self._tensorboard_writer() if cfg.tensorboard else None
         self.log.info("rank %d/%d, local_rank %d, device %s, backend %s, timeout %.0fs",
@@ -1134,7 +1142,8 @@ class DDPTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             if self.scaler:
                 self.scaler.update()
-            empty = count == 0 and not g["oom"]  # nothing counted on any rank: no loss to learn from
+            # nothing counted on any rank, though every batch loaded (failed loads are max_errors_per_epoch's)
+            empty = count == 0 and not g["oom"] and not g["data_errors"]
             result.update(skipped=True, nonfinite=nonfinite, empty=empty, grad_norm=float("nan"),
                           retry=bool(g["oom"]))
             if g["nonfinite"] > 0 or empty:  # the tally left the non-finite losses out, or holds nothing
@@ -1249,7 +1258,7 @@ class DDPTrainer:
         """Two samples of the spare batch: enough to complete this rank's collectives with weight zero (one
         is too few for BatchNorm in training mode), small enough to fit after an out-of-memory error."""
         spare = self._spare(why)
-        return rt.split_batch(spare, 0, max(1, rt.batch_len(spare) // 2))
+        return rt.split_batch(spare, 0, (rt.batch_len(spare) + 1) // 2)  # samples 0 and (n + 1) // 2
 
     def _split_micro_batches(self, micro: list, ways: int, retry: bool = False) -> list:
         """Each micro-batch in `ways` pieces. A failed batch stays one error (counted by its first piece), and
@@ -1520,7 +1529,7 @@ class DDPTrainer:
         self.state_step = self.global_step
         self.log.info("resumed from %s at step %d (epoch %d, %d steps into it)", chosen,
                       self.global_step, self.epoch, self.step_in_epoch)
-        if self.known_steps_per_epoch is None and self.step_in_epoch:
+        if isinstance(self.train_dataset, torch.utils.data.IterableDataset) and self.step_in_epoch:
             self.log.warning("the training set is a stream, which cannot be read from a position: the resumed run "
                              "reads it from its start, not from where step %d left it (exact resume is for "
                              "map-style datasets)", self.global_step)
@@ -1559,9 +1568,11 @@ class DDPTrainer:
             raise StateMismatch(f"{path} holds another model ({lines[1] if len(lines) > 1 else lines[0]} ...); "
                                 f"resuming it is refused (resume none or another run_name starts fresh; or use "
                                 f"the original model settings)") from exc
-        self.optimizer.load_state_dict(state["optimizer"])
-        for group, kernels in zip(self.optimizer.param_groups, self.configured_kernels):
-            group.update(kernels)  # this device's, not the saving one's: a CPU state resumed on a GPU runs fused
+        # this device's kernels, not the saving one's (a CPU state resumed on a GPU runs fused); before the load,
+        # which places each moment's step counter by them (a fused kernel takes them on the GPU)
+        saved = state["optimizer"]
+        self.optimizer.load_state_dict({**saved, "param_groups": [
+            {**g, **kernels} for g, kernels in zip(saved["param_groups"], self.configured_kernels)]})
         self.scheduler.load_state_dict(state["scheduler"])
         self._apply_configured_rates(self.configured_rates)
         if self.scaler and state["scaler"]:
@@ -2003,8 +2014,8 @@ class DDPTrainer:
         self.write_metrics(record)
         if not bad:
             return
-        what = ("non-finite loss or gradients" if r["nonfinite"] else
-                "no counted items (loss_fn returned a count of 0 on every rank, or every batch failed to load)")
+        what = "non-finite loss or gradients" if r["nonfinite"] else \
+            "no counted items (loss_fn returned a count of 0 on every rank)"
         self.log.warning("%s at step %d: step skipped on all ranks (%d in a row)", what, self.global_step,
                          self.consecutive_bad_steps)
         if self.consecutive_bad_steps >= cfg.max_bad_steps:

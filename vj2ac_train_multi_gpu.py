@@ -33,7 +33,7 @@ from torch.utils.data import Dataset
 
 import config
 import ddp_runtime as rt
-from ddp_training import MAX_TIMEOUT_S, BadInput, DDPTrainer, evaluate_model, train_preemptible
+from ddp_training import MAX_TIMEOUT_S, BadInput, DDPTrainer, RunDirInUse, evaluate_model, train_preemptible
 from vj2_dataloader import VJ2TrajectoryDataset, data_fingerprint, list_files
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -397,7 +397,17 @@ def set_up(args, launch, cfg):
     """The data (checked on every rank), the predictor and its DDPTrainer (`cfg`: train_config(args))."""
     # Kept, not written yet: the trainer's logger (of the same name) writes these lines into rank_N.log once
     # it holds the run dir, and a run refused there (another run's dir) writes nothing into it.
-    log = rt.setup_logger(None, launch["rank"], args.debug)
+    log = rt.setup_logger(cfg["log_dir"], launch["rank"], args.debug, keep=True)
+    try:
+        return _set_up(args, launch, cfg, log)
+    except RunDirInUse as exc:  # another run's dir: nothing of this run goes into it
+        raise BadInput(str(exc)) from exc
+    except BaseException:  # each rank's file shows why it stopped
+        rt.write_kept_logs()
+        raise
+
+
+def _set_up(args, launch, cfg, log):
     backend = rt.pick_backend(args.dist_backend, args.device) if launch["world_size"] > 1 else "none (1 process)"
     log.info("[DDP] Initializing with backend=%s, device=%s", backend, args.device)
     # Every rank validates the data before any process group exists, so a bad file or a horizon that does
@@ -411,10 +421,6 @@ def set_up(args, launch, cfg):
                            f"data's {train_set.geometry}")
     except BadInput as exc:
         log.error("%s", exc)
-        try:  # each rank's file shows that it stopped on its own
-            rt.setup_logger(cfg["log_dir"], launch["rank"], args.debug)
-        except ValueError as unwritable:
-            raise BadInput(f"{exc} (and {unwritable})") from exc
         raise
     log.info("train: %s", train_set.summary())
     log.info("val: %s", val_set.summary())
@@ -430,6 +436,8 @@ def set_up(args, launch, cfg):
                              checkpoint_extra={"predictor_config": predictor.config,
                                                "rollout_horizon": args.rollout_horizon}, weights_key="predictor",
                              count_unit="samples", describe=describe, data_fingerprint=train_set.fingerprint())
+    except RunDirInUse:
+        raise
     except (ValueError, rt.CheckpointError) as exc:  # e.g. fewer trajectories per rank than --batch_size
         raise BadInput(str(exc)) from exc
     env = trainer.env

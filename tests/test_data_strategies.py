@@ -90,13 +90,19 @@ def test_a_stream_read_by_rank_0_ends_every_epoch_on_all_ranks_together(tmp_path
     assert spawn(_stream, 2, str(tmp_path)) == [("completed", 10, 2)] * 2
 
 
-def test_a_resumed_stream_says_it_starts_again_from_its_first_sample(tmp_path, no_launch_env):
+class SizedStream(Stream):
+    def __len__(self):
+        return self.n
+
+
+@pytest.mark.parametrize("stream", [Stream, SizedStream])
+def test_a_resumed_stream_says_it_starts_again_from_its_first_sample(tmp_path, no_launch_env, stream):
     data = synthetic_lm_data(TrainConfig.from_dict(CFG))
     cfg = {**CFG, "data_strategy": "dispatch", "save_every_iters": 2, "keep_states": 0, "resume": "auto",
            "log_dir": str(tmp_path)}
     for steps in (3, 5):
         DDPTrainer(config={**cfg, "max_steps": steps}, model=CausalLM(64, 32, 1, 2, 16),
-                   train_dataset=Stream(data.train, 160), val_dataset=data.val).train()
+                   train_dataset=stream(data.train, 160), val_dataset=data.val).train()
         for f in (tmp_path / "checkpoints").glob("model_state_step_3.pt*"):
             f.unlink()  # the run resumes from its state of step 2, in the middle of the stream
     assert ("the training set is a stream, which cannot be read from a position: the resumed run reads it from "

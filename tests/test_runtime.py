@@ -94,19 +94,25 @@ def test_srun_tasks_share_their_node_not_the_world(no_slurm_step, monkeypatch):
     assert rt.capped_workers(8, int(os.environ["LOCAL_WORLD_SIZE"])) == min(8, rt.cpu_count() // 3)
 
 
-@pytest.mark.parametrize("local_rank, visible, bound, slurm, expected", [
-    (1, 4, None, False, 1), (1, 1, "3", True, 0), (1, 1, None, True, None), (3, 2, "0,1", True, None),
-    (1, 1, "3", False, None)])  # CUDA_VISIBLE_DEVICES=3 torchrun --nproc_per_node 2: both ranks see GPU 3
-def test_each_local_rank_gets_a_visible_gpu_or_a_clear_error(monkeypatch, local_rank, visible, bound, slurm,
+@pytest.mark.parametrize("local_rank, visible, bound, env, expected", [
+    (1, 4, None, {}, 1), (1, 1, "3", {"SLURM_LOCALID": "1"}, 0), (1, 1, None, {"SLURM_LOCALID": "1"}, None),
+    (3, 2, "0,1", {"SLURM_LOCALID": "3"}, None),
+    (1, 1, "3", {"SLURM_LOCALID": "1", "LOCAL_RANK": "1"}, 0),  # a wrapper that exports LOCAL_RANK too
+    # CUDA_VISIBLE_DEVICES=3 torchrun --nproc_per_node 2 (under srun or not): both ranks would share GPU 3
+    (1, 1, "3", {"LOCAL_RANK": "1"}, None), (1, 1, "3", {"SLURM_LOCALID": "1", "TORCHELASTIC_RUN_ID": "x"}, None),
+    (1, 1, "3", {"SLURM_LOCALID": "0"}, None),  # --nproc 2 in the batch script, task 0 of its step
+])
+def test_each_local_rank_gets_a_visible_gpu_or_a_clear_error(monkeypatch, local_rank, visible, bound, env,
                                                              expected):
     """srun --gpus-per-task=1 shows each task one GPU (its own CUDA_VISIBLE_DEVICES), as cuda:0, whatever its
     SLURM_LOCALID; without such a binding a second rank on the one GPU is an error, not a clash in NCCL."""
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
-    for var in ("CUDA_VISIBLE_DEVICES", "SLURM_LOCALID", "LOCAL_RANK"):
+    for var in ("CUDA_VISIBLE_DEVICES", "SLURM_LOCALID", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(var, raising=False)
     if bound is not None:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", bound)
-    monkeypatch.setenv(*(("SLURM_LOCALID", str(local_rank)) if slurm else ("LOCAL_RANK", str(local_rank))))
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
     if expected is None:
         with pytest.raises(RuntimeError, match=f"local rank {local_rank} .*has no GPU: this process sees {visible}"):
             rt.cuda_index(local_rank)
@@ -171,6 +177,29 @@ def test_logger_files_tags_and_console(tmp_path, capsys):
     assert "[RANK 1] DEBUG: debug line" in capsys.readouterr().out
 
 
+def test_kept_log_records_go_to_their_own_file_only(tmp_path):
+    """setup_logger(keep=True) holds a run dir's lines until the run has the dir: the next logger of that file
+    writes them first, one of another file drops them (an earlier set-up in this process), and
+    write_kept_logs() writes what a set-up that ended before its trainer kept."""
+    log = rt.setup_logger(tmp_path / "a", 3, name="kept", keep=True)
+    log.info("data checked")
+    assert not (tmp_path / "a").exists()
+    log = rt.setup_logger(tmp_path / "a", 3, name="kept")
+    log.info("trainer")
+    assert [line.split(": ", 1)[1] for line in (tmp_path / "a" / "rank_3.log").read_text().splitlines()] == \
+        ["data checked", "trainer"]
+    log = rt.setup_logger(tmp_path / "b", 3, name="kept", keep=True)
+    log.info("stale")
+    rt.setup_logger(tmp_path / "c", 3, name="kept")
+    assert not (tmp_path / "b").exists() and (tmp_path / "c" / "rank_3.log").read_text() == ""
+    log = rt.setup_logger(tmp_path / "d", 3, name="kept", keep=True)
+    log.warning("stopped in set-up")
+    rt.write_kept_logs()
+    rt.write_kept_logs()
+    assert (tmp_path / "d" / "rank_3.log").read_text().count("WARNING: stopped in set-up") == 1
+    rt.close_logger(log)
+
+
 def test_memory_manager_warns_and_cleans(tmp_path, monkeypatch, caplog):
     calls = []
     monkeypatch.setattr(rt.gc, "collect", lambda: calls.append(1))
@@ -200,6 +229,20 @@ def test_memory_limit_counts_anonymous_memory_not_mapped_file_pages(tmp_path):
 
 
 # -- data loaders ---------------------------------------------------------------
+def test_a_batch_splits_its_tensors_and_its_lists_of_ids_alike():
+    """What a replay or an out-of-memory retry cuts from a batch: the tensors and the ids default_collate keeps
+    as a list of strings, sample for sample; a list of numbers the length of the batch may be anything (an
+    image size), and stays whole, as does any other value."""
+    batch = {"x": torch.arange(6).view(3, 2), "id": ["a", "b", "c"], "size": [64, 64, 3], "task": "lm",
+             "pair": (torch.arange(3), torch.ones(3))}
+    part = rt.split_batch(batch, 1, 2)
+    assert part["x"].tolist() == [[2, 3]] and part["id"] == ["b"] and part["size"] == [64, 64, 3]
+    assert part["task"] == "lm" and part["pair"][0].tolist() == [1] and rt.batch_len(batch) == 3
+    assert rt.batch_len([["a", "b"], {"y": torch.zeros(2, 5)}]) == 2
+    with pytest.raises(TypeError, match="a batch holds no tensor"):
+        rt.batch_len(["a", "b"])
+
+
 
 @pytest.mark.parametrize("batch", [4, 5])  # 4 divides the 52 samples a padding sampler would give each rank
 def test_loader_does_not_touch_global_rng_and_drops_last(batch):

@@ -18,8 +18,10 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -340,6 +342,7 @@ def test_evaluate_without_a_validation_set_says_so(tmp_path, no_launch_env):
 @pytest.mark.parametrize("returns, message", [
     (lambda s, c: (s, c, {"copy": s.item()}), None),  # a plain number is an extra like a tensor
     (lambda s, c: (s, torch.tensor([c])), None),  # so is a count of shape [1]
+    (lambda s, c: (s, np.int64(c), types.MappingProxyType({"copy": s.detach()})), None),  # numpy's, a Mapping
     (lambda s, c: s, r"loss_fn must return \(loss_sum, count\) or \(loss_sum, count, \{name: sum\}\), got a tensor "
                      r"of shape \(\)"),
     (lambda s, c: (s.repeat(3), c), r"loss_fn's loss_sum must be a tensor of one element \(the loss summed over the "
@@ -407,6 +410,21 @@ def test_steps_that_count_nothing_are_skipped_and_stop_the_run_after_max_bad_ste
     train = metrics(tmp_path / "logs", "train")
     assert [(r["step"], r["skipped"], r["loss"]) for r in train] == [(1, True, None), (2, True, None), (3, True, None)]
     assert (tmp_path / "ckpt" / "model_interrupted.pt").exists()
+    # steps whose batches all failed to load count nothing too: those are max_errors_per_epoch's to judge
+    data = _markov(QUICK)
+
+    class FailsInSteps2To5(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(data.train)
+
+        def __getitem__(self, i):
+            if 1 <= trainer.global_step <= 4:
+                raise OSError("unreadable")
+            return data.train[i]
+    trainer = DDPTrainer(config={**cfg, **dirs(tmp_path / "errors"), "max_steps": 6, "max_errors_per_epoch": 4},
+                         model=CausalLM(64, 32, 2, 2, 32), train_dataset=FailsInSteps2To5(), val_dataset=data.val)
+    summary = trainer.train()
+    assert (summary["status"], summary["steps"], summary["skipped_steps"]) == ("completed", 6, 4)
 
 
 def test_nonfinite_loss_skips_the_step_and_gives_up_after_max_bad_steps(tmp_path, no_launch_env):

@@ -359,6 +359,32 @@ def test_a_run_refused_by_the_run_dir_lock_writes_nothing_there(tmp_path, no_lau
     assert sum("INFO: train: " in line for line in lines) == 1
 
 
+def test_a_set_up_stopped_during_the_data_checks_still_logs_them(tmp_path):
+    """The kept lines are written when set-up ends for any other reason than another run's lock: here a stop
+    during a slow data check, which the set-up watch ends after its grace with a marker and exit 75."""
+    make_vj2_data(tmp_path, 1, 8, 8)
+    child = tmp_path / "stop_in_checks.py"
+    child.write_text(f"""import os, signal, sys, threading, time
+import vj2ac_train_multi_gpu as vj2
+real = vj2.load_dataset
+def slow(flag, path, args, logger=None):
+    dataset = real(flag, path, args, logger)
+    if flag == "--validation_data_dir":  # a data check over many files: the scheduler stops the job meanwhile
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        time.sleep(10)
+    return dataset
+vj2.load_dataset = slow
+sys.exit(vj2.main(["--processed_data_dir", {str(tmp_path / 'train')!r}, "--validation_data_dir",
+                   {str(tmp_path / 'val')!r}, "--device", "cpu", "--preset", "tiny", "--checkpoint_dir",
+                   {str(tmp_path / 'ckpt')!r}, "--max_steps", "1"]))
+""")
+    r = run([sys.executable, child], cwd=tmp_path, timeout=60, env=clean_env(SETUP_STOP_GRACE_S="1"))
+    assert r.returncode == rt.EXIT_PREEMPTED, r.stdout[-2000:]
+    log = (tmp_path / "ckpt" / "rank_0.log").read_text()
+    assert "INFO: [DDP] Initializing with backend=none (1 process), device=cpu" in log, log
+    assert json.loads((tmp_path / "ckpt" / "PREEMPTED").read_text())["stopped_during"] == "set-up"
+
+
 @pytest.mark.multi
 def test_rollout_horizon_longer_than_the_data_fails_fast_on_both_ranks(tmp_path):
     gen.generate(tmp_path / "short", num_files=1, trajectories_per_file=8, steps=2)
