@@ -1084,13 +1084,16 @@ class DDPTrainer:
         # every micro-step (averaging is linear, so the result is the same; it costs extra all-reduces once).
         local = self.env.is_distributed and not last and not (self.static_graph and not self.stepped)
         sync = model.no_sync() if local else contextlib.nullcontext()
-        # a replay only completes the collectives: it must not move BatchNorm's running statistics either
-        kept = [(b, b.clone()) for b in self.raw_model.buffers()] if weight == 0 else []
+        # a replay only completes the collectives: it must not move BatchNorm's running statistics either (nor
+        # leave a buffer that its forward replaced)
+        kept = [(m, name, b, b.clone()) for m in self.raw_model.modules() for name, b in m._buffers.items()
+                if b is not None] if weight == 0 else []
         with sync:
             with self._autocast():
                 out = loss_terms(self.loss_fn(model, batch))
-            for b, value in kept:
+            for m, name, b, value in kept:
                 b.data.copy_(value)
+                m._buffers[name] = b
             # Scaling by a constant that is equal on all ranks keeps DDP's average a plain
             # sum; the true 1/global_count is applied once all counts are known.
             scaled = out[0].float() * (weight / self.cfg.batch_size)
@@ -1149,7 +1152,8 @@ class DDPTrainer:
             if g["nonfinite"] > 0 or empty:  # the tally left the non-finite losses out, or holds nothing
                 result["loss"], result["extras"] = float("nan"), dict.fromkeys(names, float("nan"))
             return result
-        result.update(skipped=False, nonfinite=False, empty=False, grad_norm=self._apply_update(grads, raw_norm_value, count))
+        norm = self._apply_update(grads, raw_norm_value, count)
+        result.update(skipped=False, nonfinite=False, empty=False, grad_norm=norm)
         return result
 
     def _accumulate(self, micro_batches: list) -> tuple:
@@ -2181,7 +2185,7 @@ def config_from_yaml(path: str) -> dict:
 
 def build_arg_parser() -> argparse.ArgumentParser:
     p = rt.ArgumentParser(description="Robust DDP training of a small causal transformer LM.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", help="YAML file with a flat mapping of config keys")
     p.add_argument("--cpu", action="store_true", help="train on the CPU with gloo")
     p.add_argument("--test", action="store_true", help="quick run: tiny model, 60 steps, in runs/lm_test")
