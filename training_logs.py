@@ -32,6 +32,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -130,26 +131,32 @@ def _shown(line: bytes) -> str:
 
 
 def last_session(records: list, path) -> list:
-    """Keep only the last run of a file that holds several.
+    """Keep only the last run of a file that holds several, and the newest record of a step written twice.
 
-    The trainer never writes one: a resumed run truncates metrics.jsonl to its resume step, so steps only go
-    up, and a fresh run moves the old file aside. Files joined by hand, or written by other tools into one
-    log_dir, can still hold a run whose step 1 follows another run's records (or its summary).
+    The trainer never writes either: a resumed run truncates metrics.jsonl to its resume step, so steps only
+    go up, and a fresh run moves the old file aside. Files joined by hand, or written by other tools into one
+    log_dir, can still hold a run whose step 1 follows another run's records (or any step after a summary),
+    or a resumed session that repeats steps: its records replace the earlier ones from its first step on.
     """
-    start, last_step, after_summary = 0, 0, False
+    kept, last_step, after_summary, new_run, repeated = [], 0, False, 0, 0
     for i, rec in enumerate(records):
-        if rec["type"] == "summary":
-            after_summary = True
-            continue
         if rec["type"] == "train":
-            if after_summary or rec.get("step", 0) <= last_step:
-                start = i
-            last_step = rec.get("step", 0)
-        after_summary = False
-    if start:
+            step = rec.get("step", 0)
+            if after_summary or (step <= 1 and last_step >= 1):
+                kept, new_run = [], i
+            elif step <= last_step:  # a resumed session: what it redoes replaces the earlier records
+                repeated += 1
+                kept = [r for r in kept if not r.get("step", 0) >= step]
+            last_step = step
+        after_summary = rec["type"] == "summary"
+        kept.append(rec)
+    if new_run:
         warn(f"{path} holds more than one run (log_dir reused without resume); using the last, from record "
-             f"{start + 1}")
-    return records[start:]
+             f"{new_run + 1}")
+    if repeated:
+        warn(f"{path}: a session repeats steps an earlier one logged (resumed without truncating the file); "
+             f"its records replace theirs")
+    return kept
 
 
 def add_elapsed(records: list) -> tuple:
@@ -295,6 +302,30 @@ def total_time(run: Run) -> Optional[float]:
     return max(elapsed) if elapsed else None
 
 
+def final_val_loss(run: Run) -> Optional[float]:
+    """The last validation's loss: NaN when it was not finite (a run that diverged at its end), never an
+    earlier validation's; None without validation."""
+    s = run.summary or {}
+    if s.get("final_val_loss") is not None:
+        return s["final_val_loss"]
+    last = run.val[-1].get("val_loss") if run.val else None
+    return last if is_number(last) else (float("nan") if run.val else None)
+
+
+def world_size(run: Run) -> Optional[int]:
+    """From the summary; for a run without one, from the newest "rank 0/N" line of rank_0.log (each session
+    logs it at its start; counting rank_N.log files would count an earlier run's ranks in a reused dir)."""
+    s = run.summary or {}
+    if s.get("world_size"):
+        return s["world_size"]
+    try:
+        text = (run.path / "rank_0.log").read_text(errors="replace")
+    except OSError:
+        return None
+    found = re.findall(r"\] INFO: rank 0/(\d+), local_rank", text)
+    return int(found[-1]) if found else None
+
+
 def summarize(run: Run) -> dict:
     """One run's headline numbers. Without a summary record (still running, or killed) they are rebuilt
     from the train/val records and the status is "incomplete"."""
@@ -305,8 +336,7 @@ def summarize(run: Run) -> dict:
     everything = run.train + run.val + ([s] if s else [])
     peaks = _finite(r.get(k) for r in everything for k in PEAK_KEYS)
     steps = s.get("steps", max((r.get("step", 0) for r in run.train), default=0))
-    # One rank_N.log per rank is the only trace of the world size before the summary is written.
-    world = s.get("world_size") or (len(list(run.path.glob("rank_*.log"))) or None)
+    world = world_size(run)
     seconds = total_time(run)
     rates = _finite(r.get("samples_per_s") for r in run.train)
     mfus = _finite(r.get("mfu") for r in run.train)
@@ -321,8 +351,7 @@ def summarize(run: Run) -> dict:
         "status": s.get("status", "incomplete"),
         "steps": steps,
         "sessions": run.sessions,
-        "final_val_loss": s["final_val_loss"] if s.get("final_val_loss") is not None
-        else (vals[-1] if vals else None),
+        "final_val_loss": final_val_loss(run),
         "best_val_loss": s["best_val_loss"] if s.get("best_val_loss") is not None
         else (min(vals) if vals else None),
         "test_loss": s.get("test_loss"),
@@ -400,7 +429,8 @@ def available_metrics(runs: list) -> dict:
         for run in runs:
             for rec in run.records(kind):
                 for k, v in rec.items():
-                    if k not in NOT_METRICS and not k.startswith("_") and isinstance(v, (int, float)):
+                    if k not in NOT_METRICS and not k.startswith("_") and isinstance(v, (int, float)) \
+                            and not isinstance(v, bool):  # a flag ("skipped") is no curve
                         out[k] = kind
     return out
 
@@ -609,6 +639,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_format(output) -> None:
+    formats = _pyplot().figure().canvas.get_supported_filetypes()
+    _pyplot().close("all")
+    if Path(output).suffix[1:].lower() not in formats:
+        raise LogError(f"--output {output}: matplotlib cannot write {Path(output).suffix!r} files; use one of "
+                       f"{', '.join('.' + f for f in sorted(formats))}")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -621,6 +659,7 @@ def main(argv=None) -> int:
         runs = with_records(runs)
         if not Path(args.output).suffix:  # what matplotlib would write: name.png
             args.output += ".png"
+        check_format(args.output)
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         if args.metrics:
             metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]

@@ -1,6 +1,7 @@
 """training_logs.py over real run directories: two short CPU trainings made once for the module."""
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -478,3 +479,47 @@ def test_summary_json_is_strict_json_for_a_diverged_run(tmp_path, capsys):
     (row,) = json.loads(capsys.readouterr().out, parse_constant=refuse)
     assert row["final_val_loss"] is None and row["test_loss"] is None and row["best_val_loss"] == 3.5
     assert row["steps"] == 4
+
+
+def test_a_last_validation_that_was_not_finite_is_the_final_loss_not_an_earlier_one(tmp_path, capsys):
+    """The trainer writes null for a NaN loss: the summary showed the previous finite validation instead, and
+    a run that diverged at its end looked healthy."""
+    vals = [{"type": "val", "step": 2, "epoch": 0, "val_loss": 3.0, "time": 2.5},
+            {"type": "val", "step": 4, "epoch": 0, "val_loss": None, "time": 4.5}]
+    summary = {"type": "summary", "status": "completed", "steps": 4, "final_val_loss": None, "best_val_loss": 3.0,
+               "test_loss": None, "wall_time_s": 5.0}
+    for name, recs in [("done", train_recs(range(1, 5), spe=100) + vals + [summary]),
+                       ("killed", train_recs(range(1, 5), spe=100) + vals)]:
+        row = tl.summarize(tl.load_run(write_run(tmp_path / name, recs)))
+        assert math.isnan(row["final_val_loss"]) and row["best_val_loss"] == 3.0, name
+    assert tl.main(["summary", str(tmp_path / "done"), "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["final_val_loss"] is None
+    assert tl.summarize(tl.load_run(write_run(tmp_path / "none", train_recs(range(1, 3), spe=9))))[
+        "final_val_loss"] is None
+
+
+def test_a_session_that_repeats_steps_replaces_their_records(tmp_path, capsys):
+    """Resumed at step 6 without the file cut back (another tool, a copied file): steps 1-5 stay, 6-10 are the
+    second session's, and the time of both sessions is counted."""
+    first = train_recs(range(1, 11), spe=100, dt=0.1)
+    second = train_recs(range(6, 21), spe=100, dt=0.1)
+    row = tl.summarize(tl.load_run(write_run(tmp_path / "r", first + second)))
+    assert "repeats steps an earlier one logged" in capsys.readouterr().err
+    run = tl.load_run(tmp_path / "r")
+    assert [r["step"] for r in run.train] == list(range(1, 21)) and run.train[5]["time"] == pytest.approx(0.1)
+    assert row["sessions"] == 2 and row["total_time_s"] == pytest.approx(0.5 + 1.5)
+
+
+def test_the_world_size_of_a_running_run_is_its_own_not_the_dirs_earlier_one(tmp_path):
+    d = write_run(tmp_path / "reused", train_recs(range(1, 3), spe=9))
+    (d / "rank_1.log").write_text("2026-11-25 10:00:00 [RANK 1] INFO: rank 1/2, local_rank 1, device cpu\n")
+    (d / "rank_0.log").write_text("2026-11-25 10:00:00 [RANK 0] INFO: rank 0/2, local_rank 0, device cpu\n"
+                                  "2026-11-25 11:00:00 [RANK 0] INFO: rank 0/1, local_rank 0, device cpu\n")
+    assert tl.summarize(tl.load_run(d))["world_size"] == 1
+
+
+def test_a_flag_is_no_metric_and_an_unknown_image_format_is_refused(runs, tmp_path, capsys):
+    assert "skipped" not in tl.available_metrics([tl.load_run(runs / "lr_3e-3")])
+    assert tl.main(["plot", str(runs / "lr_3e-3"), "--output", str(tmp_path / "out.xyz")]) == 2
+    assert "matplotlib cannot write '.xyz' files; use one of" in capsys.readouterr().err
+    assert not (tmp_path / "out.xyz").exists()
