@@ -1081,7 +1081,7 @@ def model_sizes(text):
 def existing_dir(text):
     if not Path(text).is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is not an existing directory")
-    return text
+    return str(Path(text).resolve())  # the child processes run in the repository
 
 
 def build_parser():
@@ -1139,7 +1139,8 @@ def build_parser():
     ld.add_argument("--files", type=at_least(1), default=12,
                     help="files of the 1x dataset; the 3x dataset has 3x as many")
     ld.add_argument("--traj_per_file", type=at_least(1), default=2)
-    ld.add_argument("--steps", type=at_least(2), default=config.NUM_STEPS, help="T")
+    ld.add_argument("--steps", type=at_least(config.ROLLOUT_HORIZON + 1), default=config.NUM_STEPS,
+                    help="T (T - 1 >= the rollout horizon the training step uses)")
     ld.add_argument("--patches", type=at_least(1), default=config.PATCHES_PER_STEP, help="P")
     ld.add_argument("--embed_dim", type=at_least(config.MIN_EMBED_DIM), default=config.EMBED_DIM, help="D")
     ld.add_argument("--actions_per_step", type=at_least(1), default=config.ACTIONS_PER_STEP, help="A")
@@ -1175,13 +1176,35 @@ def build_parser():
     return p
 
 
+# What `scaling` sets in the trainer's runs itself, or what would change the work of a step (its bare loops would
+# then train another model): not for --trainer_set
+SCALING_OWN = {"batch_size", "dataset_size", "max_steps", "seed", "save_interval", "save_every_iters", "val_interval",
+               "resume", "log_dir", "checkpoint_dir", "grad_accum_steps", "device", "compile", "use_amp", "amp_dtype"}
+
+
+def check_args(parser, args) -> None:
+    """Bad settings refused before any run, as flag errors (exit 2), not as a traceback minutes later."""
+    try:
+        changed = parse_settings(getattr(args, "trainer_set", []))
+    except ValueError as exc:
+        parser.error(f"--trainer_set: {exc}")
+    model = lm_config(args) if hasattr(args, "hidden_size") else {}
+    if args.command == "scaling" and (own := sorted(set(changed) & (SCALING_OWN | set(model)))):
+        parser.error(f"--trainer_set {', '.join(own)}: set by scaling itself, or would change the work of a step "
+                     f"(the bare loops would then train another model); use the sub-command's flags")
+    try:  # an unknown key or a bad value (the runs always set max_steps)
+        TrainConfig.from_dict({"max_steps": 1, **model, **changed})
+    except ValueError as exc:
+        parser.error(f"--trainer_set or the model flags: {exc}")
+    if args.command == "loader" and args.files * args.traj_per_file < args.batch_size:
+        parser.error(f"--files {args.files} x --traj_per_file {args.traj_per_file} trajectories are fewer than one "
+                     f"--batch_size {args.batch_size}")
+
+
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:  # an unknown key or a bad value, refused before any run (the runs always set max_steps)
-        TrainConfig.from_dict({"max_steps": 1, **parse_settings(getattr(args, "trainer_set", []))})
-    except ValueError as exc:
-        parser.error(f"--trainer_set: {exc}")
+    check_args(parser, args)
     args.fn(args)
     return 0
 

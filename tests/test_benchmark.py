@@ -182,7 +182,14 @@ def test_json_output_stays_strict_when_a_figure_is_not_finite(capsys):
     (["overhead", "--steps", "many"], "argument --steps: expected an integer >= 1, got 'many'"),
     (["overhead", "--threads", "0"], "argument --threads: expected an integer >= 1, got 0"),
     (["scaling", "--warmup", "0"], "argument --warmup: expected an integer >= 1, got 0"),  # timed from its end
-    (["overhead", "--trainer_set", "bogus=1"], "--trainer_set: unknown config key 'bogus'"),
+    (["overhead", "--trainer_set", "bogus=1"], "--trainer_set or the model flags: unknown config key 'bogus'"),
+    (["overhead", "--hidden_size", "16", "--num_heads", "3"], "hidden_size=16 must be divisible by num_heads=3"),
+    (["scaling", "--trainer_set", "val_interval=5"], "--trainer_set val_interval: set by scaling itself"),
+    (["scaling", "--trainer_set", "hidden_size=64"], "--trainer_set hidden_size: set by scaling itself, or would "
+                                                     "change the work of a step"),
+    (["loader", "--steps", "2"], "argument --steps: expected an integer >= 3, got 2"),
+    (["loader", "--files", "1", "--traj_per_file", "1"], "--files 1 x --traj_per_file 1 trajectories are fewer "
+                                                         "than one --batch_size 4"),
     (["overhead", "--trainer_set", "patience"], "--trainer_set: expected KEY=VALUE, got 'patience'"),
     (["checkpoint", "--loop_save_every", "2"], "argument --loop_save_every: expected an integer >= 3, got 2"),
     (["checkpoint", "--sizes", "64"], "argument --sizes: expected comma-separated HIDDENxLAYERS (e.g. 128x4), got '64'"),
@@ -195,3 +202,11 @@ def test_bad_arguments_are_refused_before_any_run(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
         benchmark.main(argv)
     assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_relative_dir_is_taken_from_where_the_command_runs(tmp_path, monkeypatch):
+    """The scaling and loader runs start processes in the repository: a relative --dir made them write there."""
+    import benchmark
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "work").mkdir()
+    assert benchmark.build_parser().parse_args(["checkpoint", "--dir", "work"]).dir == str(tmp_path / "work")
