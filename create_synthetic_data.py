@@ -10,7 +10,10 @@ noise. The encoder depends on world_seed only, so train and val sets written wit
 share one encoder and differ only in their trajectories.
 
     python create_synthetic_data.py --output_dir data/train --num_files 3 --trajectories_per_file 10
-    python create_synthetic_data.py --output_dir data/real --real_shapes --val_fraction 0.1 --compress
+    python create_synthetic_data.py --output_dir data/real --real_shapes --val_fraction 0.1
+
+(--compress writes np.savez_compressed's layout; the loader then decompresses a whole file for a read outside
+its small cache: keep large data sets uncompressed.)
 """
 
 import argparse

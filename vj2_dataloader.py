@@ -42,9 +42,9 @@ import config
 KEYS = ("embeddings", "actions")
 LAYOUTS = {"embeddings": "[N, T, P, D]", "actions": "[N, T-1, A, C]"}
 FLOAT_DTYPES = "float16 or float32"
-# zip members decompressing to more than this many times their stored size are refused (deflate tops out near
-# 1032x, so only a crafted member gets here)
-MAX_COMPRESSION_RATIO = 1000.0
+# zip members decompressing to more than this many times their stored size are refused: deflate tops out near
+# 1032x (constant data gets there: idle actions, all zeros), so only a member whose declared size lies gets here
+MAX_COMPRESSION_RATIO = 1100.0
 # largest array a header may declare; far above real files (1000 real trajectories are 4 GiB)
 MAX_ARRAY_BYTES = 1 << 40
 # bytes per read while scanning values for NaN/inf
@@ -235,6 +235,9 @@ def check_shapes(path, emb, act):
     if min(emb[2:] + act[2:]) < 1:
         raise DataFileError(f"{path}: keys 'embeddings' {emb} / 'actions' {act} have an empty dimension; "
                             f"expected P, D, A, C >= 1")
+    if act[3] < len(config.ACTION_CHANNEL_NAMES):
+        raise DataFileError(f"{path}: key 'actions' has C={act[3]} channels; expected at least "
+                            f"{len(config.ACTION_CHANNEL_NAMES)}: {list(config.ACTION_CHANNEL_NAMES)}")
     if emb[3] < config.MIN_EMBED_DIM:
         raise DataFileError(f"{path}: key 'embeddings' has D={emb[3]}; expected D >= {config.MIN_EMBED_DIM} "
                             f"(the predictor layer-norms tokens over D, and one value normalises to 0)")
@@ -319,12 +322,24 @@ def list_files(data_dir):
     data_dir = Path(data_dir)
     if data_dir.is_file() and data_dir.suffix == ".npz":
         return [data_dir]
+    if data_dir.exists() and not data_dir.is_dir():
+        raise FileNotFoundError(f"data directory {data_dir} is a file, not a directory (nor an .npz file)")
     if not data_dir.is_dir():
         raise FileNotFoundError(f"data directory {data_dir} does not exist")
     files = sorted(data_dir.glob("*.npz"))
     if not files:
         raise DataFileError(f"{data_dir}: no *.npz files found; expected trajectory files "
                             f"(create_synthetic_data.py writes some)")
+    seen = {}
+    for path in files:  # a link to another file here (latest.npz) would train its trajectories twice
+        try:
+            st = path.stat()
+        except OSError:
+            continue  # a dangling link: the file checks name it
+        if (st.st_dev, st.st_ino) in seen:
+            raise DataFileError(f"{seen[st.st_dev, st.st_ino]} and {path} are the same file (a link); its "
+                                f"trajectories would be read twice; expected each file once in {data_dir}")
+        seen[st.st_dev, st.st_ino] = path
     return files
 
 

@@ -213,10 +213,10 @@ def file_identities(flag, data_dir):
     the loader reports such a file (honouring --skip_bad_files).
     """
     with blamed_on(flag):
-        paths = [path.resolve() for path in list_files(data_dir)]
+        paths = list_files(data_dir)
     out = []
-    for path in paths:
-        identities = [("the same path", path)]
+    for path in paths:  # named as listed (a link by its own name), compared by what it is
+        identities = [("the same path", path.resolve())]
         try:
             st = path.stat()
             identities.append(("the same file (a hard link)", (st.st_dev, st.st_ino)))

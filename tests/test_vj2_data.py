@@ -557,6 +557,36 @@ def test_high_compression_ratio_is_refused(tmp_path):
         validate_npz(path, max_ratio=10)
 
 
+def test_constant_actions_compressed_by_numpy_are_no_zip_bomb(tmp_path):
+    """Idle recordings (all-zero actions) deflate at ~1016x, over the 1000x the guard allowed; deflate itself
+    stops near 1032x."""
+    emb, act = good(512, steps=4)
+    act = np.zeros((512, 3, 250, 3), np.float32)
+    np.savez_compressed(tmp_path / "idle.npz", embeddings=emb, actions=act)
+    info = zipfile.ZipFile(tmp_path / "idle.npz").getinfo("actions.npy")
+    assert info.file_size > 1000 * info.compress_size
+    validate_npz(tmp_path / "idle.npz")
+
+
+def test_actions_need_the_x_y_touch_channels(tmp_path):
+    emb, act = good(2)
+    np.savez(tmp_path / "two.npz", embeddings=emb, actions=act[..., :2])
+    with pytest.raises(DataFileError, match=r"two.npz: key 'actions' has C=2 channels; expected at least 3: "
+                                            r"\['x', 'y', 'touch'\]"):
+        validate_npz(tmp_path / "two.npz")
+
+
+def test_a_file_linked_twice_in_a_directory_is_refused_and_a_file_is_no_directory(tmp_path):
+    gen.generate(tmp_path / "d", num_files=2, trajectories_per_file=2)
+    (tmp_path / "d" / "latest.npz").symlink_to(tmp_path / "d" / "train_00001.npz")
+    with pytest.raises(DataFileError, match=r"train_00001.npz are the same file \(a link\); its trajectories "
+                                            r"would be read twice"):
+        vj2_dataloader.list_files(tmp_path / "d")
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(FileNotFoundError, match="notes.txt is a file, not a directory"):
+        vj2_dataloader.list_files(tmp_path / "notes.txt")
+
+
 def test_nan_is_found_in_a_later_chunk(tmp_path, monkeypatch):
     monkeypatch.setattr(vj2_dataloader, "SCAN_BYTES", 1024)
     emb, act = good(n=6)

@@ -412,25 +412,26 @@ def test_training_and_validation_data_sharing_a_file_is_refused(tmp_path, monkey
     assert code == 2, err
     shared = "train_00001.npz" if val.endswith(".npz") else "train_00000.npz"
     assert f"--processed_data_dir train and --validation_data_dir {val} share" in err
-    assert f"(e.g. {tmp_path / 'train' / shared})" in err and "expected disjoint training and validation" in err
+    assert f"(e.g. train/{shared})" in err and "expected disjoint training and validation" in err
     assert "rank_0.log" in {p.name for p in (tmp_path / "ckpt").iterdir()}  # logged, then stopped
     assert not (tmp_path / "ckpt" / "vjepa2_final.pt").exists()
 
 
 @pytest.mark.parametrize("how, reason", [("hard link", "the same file (a hard link)"),
+                                         ("symlink", "the same path"),  # named by the link, not by its target
                                          ("copy", "a copy (same CRC-32 and size of 'embeddings' and 'actions')")])
 def test_a_training_file_under_another_name_is_refused_as_validation_data(tmp_path, monkeypatch, no_launch_env,
                                                                           capsys, how, reason):
     make_vj2_data(tmp_path, 2, 4, 4)
     monkeypatch.chdir(tmp_path)
     source, target = tmp_path / "train" / "train_00001.npz", tmp_path / "val" / "val_00001.npz"
-    os.link(source, target) if how == "hard link" else shutil.copyfile(source, target)
+    {"hard link": os.link, "symlink": lambda s, t: t.symlink_to(s), "copy": shutil.copyfile}[how](source, target)
     code = vj2.main(["--device", "cpu", "--processed_data_dir", "train", "--validation_data_dir", "val",
                      "--checkpoint_dir", "ckpt", "--max_steps", "1"])
     err = capsys.readouterr().err
     assert code == 2, err
     assert "--processed_data_dir train and --validation_data_dir val share 1 .npz files" in err
-    assert f"(e.g. {source} and {target}: {reason})" in err
+    assert f"(e.g. train/train_00001.npz and val/val_00001.npz: {reason})" in err
     assert not (tmp_path / "ckpt" / "vjepa2_final.pt").exists()
 
 
