@@ -939,6 +939,7 @@ class DDPTrainer:
         self.stepped = False  # this process completed a step (DDP has seen a whole backward)
         self._metrics_file = None
         self.state_step: Optional[int] = None  # the step of the newest resumable state this run saved
+        self.step_file_step: Optional[int] = None  # the step of the newest <prefix>_step_N.pt this run saved
 
         for name, value in self.FRESH_COUNTERS.items():
             setattr(self, name, value)
@@ -1657,6 +1658,8 @@ class DDPTrainer:
                              "non-finite values; it counts as no improvement", self.global_step, res["loss"])
         if self.state_step == self.global_step:  # that state predates this validation: the run's end saves again
             self.state_step = None
+        if self.step_file_step == self.global_step:  # written before this validation (the epoch's, the run's end)
+            self.save_checkpoint(f"step_{self.global_step}")  # again, now with the loss of its weights
         # Patience counts from the last improvement by more than min_delta, so many small steps do not
         # reset it (as in Keras and Lightning); the best checkpoint follows every improvement.
         if res["loss"] < self.patience_ref - self.cfg.min_delta:
@@ -1925,6 +1928,7 @@ class DDPTrainer:
         early = bool(cfg.val_interval) and self.global_step % cfg.val_interval == 0 and self._validate()
         if cfg.save_every_iters and self.global_step % cfg.save_every_iters == 0:
             self.save_checkpoint(f"step_{self.global_step}")
+            self.step_file_step = self.global_step
             self.save_state()
         if r["write_failed"] or self.writer.retry_pending:
             self._save_again_after_a_failed_write()

@@ -100,6 +100,12 @@ def test_checkpoint_cadence_and_names(tmp_path, no_launch_env):
     log = (tmp_path / "logs" / "rank_0.log").read_text()
     assert "lm_epoch_1.pt (step 16, val_loss " in log and "lm_step_18.pt (step 18)\n" in log
     assert not list((tmp_path / "ckpt").glob("*.tmp"))
+    # a step file saved at the step of a later validation (an epoch's end, the run's end) has that loss too
+    cfg = {**cfg, **dirs(tmp_path / "b"), "num_epochs": 1, "save_every_iters": 8}
+    DDPTrainer(config=cfg).train()
+    saved = {n: torch.load(tmp_path / "b" / "ckpt" / f"lm_{n}.pt", weights_only=True) for n in ("step_16", "epoch_1")}
+    assert saved["step_16"]["val_loss"] == saved["epoch_1"]["val_loss"]
+    assert "val_loss" not in torch.load(tmp_path / "b" / "ckpt" / "lm_step_8.pt", weights_only=True)
 
 
 def test_target_loss_and_patience_stop_early(tmp_path, no_launch_env):
