@@ -858,11 +858,15 @@ class DDPTrainer:
                  train_dataset=None, val_dataset=None, test_dataset=None,
                  loss_fn: Optional[LossFn] = None, collate_fn=None,
                  checkpoint_extra: Optional[dict] = None, weights_key: str = "model",
-                 count_unit: str = "tokens", describe: Optional[str] = None, data_fingerprint: Optional[str] = None):
+                 count_unit: str = "tokens", describe: Optional[str] = None, data_fingerprint: Optional[str] = None,
+                 resume_must_match: Optional[dict] = None):
         self.cfg = TrainConfig.from_dict(config)
         cfg = self.cfg
         # a user's dataset may be costly or random to read: its owner says what identifies it, if anything
         self.data_fingerprint = None if data_fingerprint is None else USER_FINGERPRINT + data_fingerprint
+        # what else a resume must find unchanged, by name (the loss's definition, the validation set: the best
+        # validation loss so far was measured with them)
+        self.resume_must_match = dict(resume_must_match or {})
         self.env = rt.setup_distributed(rank, world_size, local_rank, cfg.dist_backend, cfg.device,
                                         max(cfg.dist_timeout, cfg.first_step_timeout))
         try:
@@ -1442,7 +1446,7 @@ class DDPTrainer:
                 "scaler": self.scaler.state_dict() if self.scaler else None,
                 "counters": {k: getattr(self, k) for k in self.STATE_COUNTERS},
                 "rng": per_rank_rng, "run": self._run_signature(), "seeded_samples": self._seeded_samples(),
-                "data_fingerprint": self.data_fingerprint}
+                "data_fingerprint": self.data_fingerprint, "must_match": self.resume_must_match}
 
     def _check_data_fingerprint(self, saved, path: Path) -> None:
         """The training data of a state must be this run's (the built-in data's, or what data_fingerprint= gave):
@@ -1558,6 +1562,13 @@ class DDPTrainer:
                                     f"{key}={value}; resuming with a different {key} is refused (resume none "
                                     f"or another run_name starts fresh; or use the original setting)")
         self._check_data_fingerprint(state.get("data_fingerprint", "absent"), path)
+        for key, value in self.resume_must_match.items():  # states before 25 Nov 2026, 17:00 hold none
+            was = state.get("must_match", {}).get(key, value)
+            if was != value:
+                raise StateMismatch(f"{path} was written with {key} {was}, this run has {key} {value}; the run's "
+                                    f"best validation loss and patience were measured with the first: resuming "
+                                    f"is refused (resume none or another run_name starts fresh; or use the "
+                                    f"original setting)")
         saved = state.get("seeded_samples")  # absent from states written before 25 Nov 2026
         if saved is not None and saved != self._seeded_samples() and self.env.is_main:
             self.log.warning("%s was written with %s loader workers, this run has %s: a dataset that draws random "

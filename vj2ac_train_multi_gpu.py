@@ -435,7 +435,9 @@ def _set_up(args, launch, cfg, log):
                              loss_fn=partial(vj2_loss, rollout_horizon=args.rollout_horizon),
                              checkpoint_extra={"predictor_config": predictor.config,
                                                "rollout_horizon": args.rollout_horizon}, weights_key="predictor",
-                             count_unit="samples", describe=describe, data_fingerprint=train_set.fingerprint())
+                             count_unit="samples", describe=describe, data_fingerprint=train_set.fingerprint(),
+                             resume_must_match={"rollout_horizon": args.rollout_horizon,
+                                                "validation data (fingerprint)": val_set.fingerprint()})
     except RunDirInUse:
         raise
     except (ValueError, rt.CheckpointError) as exc:  # e.g. fewer trajectories per rank than --batch_size
