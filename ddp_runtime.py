@@ -508,10 +508,32 @@ _KEPT_LOGS: "weakref.WeakSet[_KeptRecords]" = weakref.WeakSet()
 
 
 def write_kept_logs() -> None:
-    """Write the records kept for run dirs (setup_logger(keep=True)) into their files: for a set-up that ends
-    before its trainer took the dir, and not because another run holds it."""
+    """Write the records kept for run dirs (setup_logger(keep=True)) into their files, for a set-up that ended
+    before its trainer took the dir: not into a dir another run holds."""
     for handler in list(_KEPT_LOGS):
-        handler.write_out()
+        if not handler.records:
+            continue
+        holder, lock = lock_unless_another_run(handler.path.parent)
+        if holder is None:
+            handler.write_out()
+        else:
+            handler.take()
+            print(f"{handler.path.parent} is in use by {holder}: this run's set-up lines are not written there",
+                  file=sys.stderr)
+        if lock is not None:
+            lock.release()
+
+
+def lock_unless_another_run(log_dir, note: str = "") -> tuple:
+    """(who else holds the run dir's lock, or None; the lock taken for this process when it was free, or None).
+    A holder that is this process, or a rank of this same run (the rendezvous address in its note), is no
+    other run."""
+    run = run_identity()
+    lock = RunDirLock(log_dir)
+    holder = lock.acquire(note + run)
+    if holder is None:
+        return None, lock
+    return (None if holder.startswith(RunDirLock.this_process()) or (run and run in holder) else holder), None
 
 
 def symlink_note(path) -> str:
@@ -1249,10 +1271,9 @@ class SetUpWatch:
         same run (its trainer, or one that gives up too and writes the same marker)."""
         if self.log_dir is None:
             return None
-        run = run_identity()
-        holder = RunDirLock(self.log_dir).acquire(self.GIVING_UP + run)  # held until os._exit: the marker is under it
-        return None if holder is None or holder.startswith(RunDirLock.this_process()) or (run and run in holder) \
-            else holder
+        # a lock taken here stays held until os._exit: the marker is written under it
+        holder, self._held = lock_unless_another_run(self.log_dir, self.GIVING_UP)
+        return holder
 
     def __exit__(self, *exc) -> None:
         if self._previous_fd is None:

@@ -1154,7 +1154,7 @@ class DDPTrainer:
             empty = count == 0 and not g["oom"] and not g["data_errors"]
             result.update(skipped=True, nonfinite=nonfinite, empty=empty, grad_norm=float("nan"),
                           retry=bool(g["oom"]))
-            if g["nonfinite"] > 0 or empty:  # the tally left the non-finite losses out, or holds nothing
+            if g["nonfinite"] > 0 or count == 0:  # the tally left the non-finite losses out, or holds nothing
                 result["loss"], result["extras"] = float("nan"), dict.fromkeys(names, float("nan"))
             return result
         norm = self._apply_update(grads, raw_norm_value, count)
@@ -1536,6 +1536,10 @@ class DDPTrainer:
             self.log.info("no resumable state in %s: starting fresh", self.ckpt_dir)
             return None
         self.state_step = self.global_step
+        # a validation redone at this step writes its step file again (rank 0 sees it: saves are collective)
+        if rt.broadcast_object(self.checkpoint_path(f"step_{self.global_step}").exists() if self.env.is_main
+                               else None):
+            self.step_file_step = self.global_step
         self.log.info("resumed from %s at step %d (epoch %d, %d steps into it)", chosen,
                       self.global_step, self.epoch, self.step_in_epoch)
         if isinstance(self.train_dataset, torch.utils.data.IterableDataset) and self.step_in_epoch:
@@ -1832,6 +1836,10 @@ class DDPTrainer:
             status, epoch_done = self._epoch(stop_signal)
             if status is None and epoch_done:
                 status = self._end_epoch()
+            if status is not None:
+                return status
+        if self.step_in_epoch >= self.steps_per_epoch > 0:  # resumed from a stop at an epoch's last step
+            status = self._end_epoch()
             if status is not None:
                 return status
         if self.last_val_step != self.global_step and self._validate():

@@ -131,22 +131,26 @@ def _shown(line: bytes) -> str:
 
 
 def last_session(records: list, path) -> list:
-    """Keep only the last run of a file that holds several, and the newest record of a step written twice.
+    """Keep only the last run of a file that holds several, and the newest records of steps logged twice.
 
     The trainer never writes either: a resumed run truncates metrics.jsonl to its resume step, so steps only
     go up, and a fresh run moves the old file aside. Files joined by hand, or written by other tools into one
     log_dir, can still hold a run whose step 1 follows another run's records (or any step after a summary),
-    or a resumed session that repeats steps: its records replace the earlier ones from its first step on.
+    or a resumed session that repeats steps: its records replace the earlier ones from its first step on (a
+    validation redone at the resume step replaces that step's validation). Records without a whole-number
+    step are kept as they come.
     """
     kept, last_step, after_summary, new_run, repeated = [], 0, False, 0, 0
     for i, rec in enumerate(records):
-        if rec["type"] == "train":
-            step = rec.get("step", 0)
-            if after_summary or (step <= 1 and last_step >= 1):
-                kept, new_run = [], i
-            elif step <= last_step:  # a resumed session: what it redoes replaces the earlier records
-                repeated += 1
-                kept = [r for r in kept if not r.get("step", 0) >= step]
+        step = rec.get("step")
+        numbered = isinstance(step, int) and not isinstance(step, bool)
+        if rec["type"] == "train" and numbered and (after_summary or (step <= 1 <= last_step)):
+            kept, new_run = [], i
+        elif numbered and rec["type"] in ("train", "val") and \
+                (step < last_step or (step == last_step and rec["type"] == "train")):
+            repeated += 1  # what a resumed session redoes replaces the earlier records
+            kept = [r for r in kept if not superseded(r, step, rec["type"])]
+        if rec["type"] == "train" and numbered:
             last_step = step
         after_summary = rec["type"] == "summary"
         kept.append(rec)
@@ -157,6 +161,16 @@ def last_session(records: list, path) -> list:
         warn(f"{path}: a session repeats steps an earlier one logged (resumed without truncating the file); "
              f"its records replace theirs")
     return kept
+
+
+def superseded(rec: dict, step: int, by: str) -> bool:
+    """Whether `rec` is redone by a later session's record of type `by` at `step`: its train records from that
+    step on (from the next one, for a validation redone at the step it resumed from), and its validations
+    from that step on."""
+    s = rec.get("step")
+    if not isinstance(s, int) or isinstance(s, bool) or rec["type"] not in ("train", "val"):
+        return False
+    return s >= step if rec["type"] == "val" or by == "train" else s > step
 
 
 def add_elapsed(records: list) -> tuple:
@@ -640,8 +654,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_format(output) -> None:
-    formats = _pyplot().figure().canvas.get_supported_filetypes()
-    _pyplot().close("all")
+    _pyplot()
+    from matplotlib.backend_bases import FigureCanvasBase
+    formats = FigureCanvasBase.get_supported_filetypes()
     if Path(output).suffix[1:].lower() not in formats:
         raise LogError(f"--output {output}: matplotlib cannot write {Path(output).suffix!r} files; use one of "
                        f"{', '.join('.' + f for f in sorted(formats))}")

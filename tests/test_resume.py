@@ -78,6 +78,18 @@ def test_stop_and_resume_is_bit_identical_one_process(tmp_path, no_launch_env, r
     assert not (tmp_path / "logs" / "PREEMPTED").exists()
 
 
+def test_a_stop_at_the_last_step_of_the_last_epoch_resumes_into_that_epochs_end(tmp_path, no_launch_env):
+    """The resumed run had no step left, so it skipped the epoch's end: no epoch checkpoint, "epochs": 0, and a
+    step file of that step without the loss of the validation redone there."""
+    cfg = cfg_for(tmp_path, max_steps=16, save_every_iters=8, save_interval=1)
+    assert DDPTrainer(config=cfg, loss_fn=SignalAt(16)).train()["status"] == "interrupted"
+    second = DDPTrainer(config=cfg).train()
+    assert (second["status"], second["steps"], second["epochs"]) == ("completed", 16, 2)
+    ckpt = {n: torch.load(tmp_path / "ckpt" / f"model_{n}.pt", weights_only=True) for n in ("epoch_2", "step_16")}
+    assert ckpt["step_16"]["val_loss"] == ckpt["epoch_2"]["val_loss"] == second["final_val_loss"]
+    assert [r["step"] for r in metrics(tmp_path / "logs", "val")] == [8, 16]
+
+
 def augmented_run(root: Path, num_workers: int, loss_fn=None) -> dict:
     cfg = cfg_for(root, num_workers=num_workers, val_interval=10)
     data = synthetic_lm_data(TrainConfig.from_dict(cfg))

@@ -431,6 +431,7 @@ def test_steps_that_count_nothing_are_skipped_and_stop_the_run_after_max_bad_ste
                          model=CausalLM(64, 32, 2, 2, 32), train_dataset=FailsInSteps2To5(), val_dataset=data.val)
     summary = trainer.train()
     assert (summary["status"], summary["steps"], summary["skipped_steps"]) == ("completed", 6, 4)
+    assert [r["loss"] for r in metrics(tmp_path / "errors" / "logs", "train") if r["skipped"]] == [None] * 4
 
 
 def test_nonfinite_loss_skips_the_step_and_gives_up_after_max_bad_steps(tmp_path, no_launch_env):

@@ -508,6 +508,14 @@ def test_a_session_that_repeats_steps_replaces_their_records(tmp_path, capsys):
     run = tl.load_run(tmp_path / "r")
     assert [r["step"] for r in run.train] == list(range(1, 21)) and run.train[5]["time"] == pytest.approx(0.1)
     assert row["sessions"] == 2 and row["total_time_s"] == pytest.approx(0.5 + 1.5)
+    # a validation redone at the step the second session resumed from replaces the first one's
+    val = {"type": "val", "epoch": 0, "val_loss": 3.0, "step": 5}
+    recs = first[:5] + [dict(val, time=0.55)] + first[5:] + [dict(val, val_loss=2.5, time=0.05)] + second
+    run = tl.load_run(write_run(tmp_path / "v", recs))
+    assert [(r["step"], r["val_loss"]) for r in run.val] == [(5, 2.5)] and len(run.train) == 20
+    # records without a step number are kept as they come, not taken for repeats
+    steps = tl.load_run(write_run(tmp_path / "n", [{k: v for k, v in r.items() if k != "step"} for r in first]))
+    assert len(steps.train) == 10
 
 
 def test_the_world_size_of_a_running_run_is_its_own_not_the_dirs_earlier_one(tmp_path):
@@ -520,6 +528,11 @@ def test_the_world_size_of_a_running_run_is_its_own_not_the_dirs_earlier_one(tmp
 
 def test_a_flag_is_no_metric_and_an_unknown_image_format_is_refused(runs, tmp_path, capsys):
     assert "skipped" not in tl.available_metrics([tl.load_run(runs / "lr_3e-3")])
+    plt = tl._pyplot()
+    mine = plt.figure()  # a caller's figure is left alone
+    tl.check_format(tmp_path / "a.png")
+    assert plt.fignum_exists(mine.number)
+    plt.close(mine)
     assert tl.main(["plot", str(runs / "lr_3e-3"), "--output", str(tmp_path / "out.xyz")]) == 2
     assert "matplotlib cannot write '.xyz' files; use one of" in capsys.readouterr().err
     assert not (tmp_path / "out.xyz").exists()

@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import time
 
@@ -360,6 +361,18 @@ def test_a_run_refused_by_the_run_dir_lock_writes_nothing_there(tmp_path, no_lau
         assert sorted(p.name for p in ckpt.iterdir()) == [".lock"]
     finally:
         holder.release()
+    # bad data, while another process holds the dir: the lines of the refused set-up do not go there either
+    holder = subprocess.Popen([sys.executable, "-c", f"import ddp_runtime as rt, sys, time\n"
+                               f"assert rt.RunDirLock({str(ckpt)!r}).acquire() is None\nprint('locked', flush=True)\n"
+                               f"time.sleep(60)"], stdout=subprocess.PIPE, text=True, env=clean_env())
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert vj2.main([*argv, "--rollout_horizon", "9"]) == 2
+        assert f"is in use by pid {holder.pid} on " in capsys.readouterr().err
+        assert sorted(p.name for p in ckpt.iterdir()) == [".lock"]
+    finally:
+        holder.kill()
+        holder.wait()
     assert vj2.main(argv) == 0
     lines = (ckpt / "rank_0.log").read_text().splitlines()
     first = next(i for i, line in enumerate(lines) if "INFO: train: " in line)
