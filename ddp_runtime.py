@@ -530,9 +530,13 @@ def lock_unless_another_run(log_dir, note: str = "") -> tuple:
     other run."""
     run = run_identity()
     lock = RunDirLock(log_dir)
-    holder = lock.acquire(note + run)
-    if holder is None:
-        return None, lock
+    for _ in range(20):
+        holder = lock.acquire(note + run)
+        if holder is None:
+            return None, lock
+        if not holder.startswith(RunDirLock.UNNAMED):
+            break
+        time.sleep(0.05)  # taken this instant, its note not written yet: a peer rank that gives up too, say
     return (None if holder.startswith(RunDirLock.this_process()) or (run and run in holder) else holder), None
 
 
@@ -572,6 +576,7 @@ class RunDirLock:
     worker of a killed rank does not hold it."""
 
     NAME = ".lock"
+    UNNAMED = "another process"  # a holder whose note is not written yet
 
     def __init__(self, *directories):
         unique = {Path(d).resolve(): Path(d) for d in directories}
@@ -600,7 +605,7 @@ class RunDirLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or self.UNNAMED
             os.close(fd)
             return holder
         except OSError as exc:
