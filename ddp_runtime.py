@@ -887,21 +887,19 @@ def stop_workers(loader: Any) -> None:
         loader._iterator = None
 
 
-def map_tensors(fn, obj: Any, strict: bool = False) -> Any:
-    """`obj` with `fn` applied to every tensor in it (nested lists, tuples, namedtuples and dicts);
-    other leaves are kept as they are, or with `strict` are a TypeError."""
-    if isinstance(obj, torch.Tensor):
+def map_tensors(fn, obj: Any, leaf=None) -> Any:
+    """`obj` with `fn` applied to every tensor in it (nested lists, tuples, namedtuples and dicts), and to every
+    list or tuple that `leaf(seq)` says is one value; other leaves are kept as they are."""
+    if isinstance(obj, torch.Tensor) or (leaf is not None and isinstance(obj, (list, tuple)) and leaf(obj)):
         return fn(obj)
     if isinstance(obj, dict):
-        out = type(obj)((k, map_tensors(fn, v, strict)) for k, v in obj.items())
+        out = type(obj)((k, map_tensors(fn, v, leaf)) for k, v in obj.items())
         if hasattr(obj, "_metadata"):  # a state_dict's module versions
             out._metadata = obj._metadata
         return out
     if isinstance(obj, (list, tuple)):
-        items = [map_tensors(fn, v, strict) for v in obj]
+        items = [map_tensors(fn, v, leaf) for v in obj]
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    if strict:
-        raise TypeError(f"expected tensors (or lists, tuples, dicts of them), got {type(obj).__name__}")
     return obj
 
 
@@ -911,19 +909,9 @@ def split_batch(batch, part: int, parts: int):
     numbers the length of the batch may be anything: an image size)."""
     n = batch_len(batch)
 
-    def take(obj):
-        if isinstance(obj, torch.Tensor):
-            return obj[part::parts]
-        if isinstance(obj, dict):
-            return type(obj)((k, take(v)) for k, v in obj.items())
-        if isinstance(obj, (list, tuple)):
-            if len(obj) == n and all(isinstance(v, (str, bytes)) for v in obj):
-                items = list(obj[part::parts])
-            else:
-                items = [take(v) for v in obj]
-            return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-        return obj
-    return take(batch)
+    def per_sample(seq) -> bool:
+        return len(seq) == n and not hasattr(seq, "_fields") and all(isinstance(v, (str, bytes)) for v in seq)
+    return map_tensors(lambda x: x[part::parts], batch, leaf=per_sample)
 
 
 def batch_len(batch) -> int:

@@ -1107,7 +1107,7 @@ class DDPTrainer:
             except Exception as exc:
                 exc.ddp_phase = "backward"
                 raise
-        count = out[1].detach() if torch.is_tensor(out[1]) else float(out[1])
+        count = out[1].detach() if torch.is_tensor(out[1]) else out[1]  # loss_terms: a tensor or a float
         return out[0].detach() * weight, count * weight, {k: v.detach() * weight for k, v in out[2].items()}
 
     def _extra_names(self, mine: list) -> list:
@@ -1560,19 +1560,15 @@ class DDPTrainer:
             raise KeyError(f"{path} is not a resumable state: it lacks {sorted(missing)}")
         # Another configuration is refused, never taken for damage: falling back past it would start
         # fresh and overwrite the finished run's weights.
-        for key, value in self._run_signature().items():
-            if state["run"][key] != value:
-                raise StateMismatch(f"{path} was written with {key}={state['run'][key]}, this run has "
-                                    f"{key}={value}; resuming with a different {key} is refused (resume none "
-                                    f"or another run_name starts fresh; or use the original setting)")
-        self._check_data_fingerprint(state.get("data_fingerprint", "absent"), path)
-        for key, value in self.resume_must_match.items():  # states before 25 Nov 2026, 17:00 hold none
-            was = state.get("must_match", {}).get(key, value)
+        checks = [(key, state["run"][key], value) for key, value in self._run_signature().items()]
+        checks += [(key, state.get("must_match", {}).get(key, value), value)  # states before 25 Nov 2026, 17:00
+                   for key, value in self.resume_must_match.items()]          # hold no must_match: not checked
+        for key, was, value in checks:
             if was != value:
-                raise StateMismatch(f"{path} was written with {key} {was}, this run has {key} {value}; the run's "
-                                    f"best validation loss and patience were measured with the first: resuming "
-                                    f"is refused (resume none or another run_name starts fresh; or use the "
-                                    f"original setting)")
+                raise StateMismatch(f"{path} was written with {key}={was}, this run has {key}={value}; resuming "
+                                    f"with a different {key} is refused (resume none or another run_name starts "
+                                    f"fresh; or use the original setting)")
+        self._check_data_fingerprint(state.get("data_fingerprint", "absent"), path)
         saved = state.get("seeded_samples")  # absent from states written before 25 Nov 2026
         if saved is not None and saved != self._seeded_samples() and self.env.is_main:
             self.log.warning("%s was written with %s loader workers, this run has %s: a dataset that draws random "

@@ -337,11 +337,11 @@ def test_resuming_on_other_data_is_refused(tmp_path, no_launch_env, capsys):
     # nor with another loss or validation set: the best validation loss so far was measured with the first
     train = ["--processed_data_dir", str(tmp_path / "train"), "--max_steps", "4"]
     assert vj2.main([*common, *train, "--rollout_horizon", "1"]) == 2
-    assert "was written with rollout_horizon 2, this run has rollout_horizon 1; the run's best validation loss" \
-        in capsys.readouterr().err
+    assert "was written with rollout_horizon=2, this run has rollout_horizon=1; resuming with a different " \
+        "rollout_horizon is refused" in capsys.readouterr().err
     other_val = [*common[2:], "--validation_data_dir", str(tmp_path / "other")]
     assert vj2.main([*other_val, *train]) == 2
-    assert "was written with validation data (fingerprint) " in capsys.readouterr().err
+    assert "was written with validation data (fingerprint)=" in capsys.readouterr().err
     assert vj2.main([*common, *train]) == 0  # its own
     assert torch.load(tmp_path / "ckpt" / "vjepa2_final.pt", weights_only=True)["global_step"] == 4
 
