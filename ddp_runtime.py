@@ -1187,7 +1187,11 @@ class SetUpWatch:
     - a second such signal ends the process at once (exit 128 + signal);
     - `grace_s` (default: setup_stop_grace_s()) after the first, a set-up still running ends the process
       with EXIT_PREEMPTED, after writing the PREEMPTED marker into `log_dir` (when given). Nothing has been
-      trained in this process yet, so nothing is lost: relaunching resumes from the last state on disk."""
+      trained in this process yet, so nothing is lost: relaunching resumes from the last state on disk.
+    Ctrl-C (SIGINT) is Python's KeyboardInterrupt here, which stops set-up at once; but Python drops one
+    raised while a __del__ or a weakref callback runs, and set-up would go on to train. A set-up that
+    ends after a SIGINT the watch saw therefore raises KeyboardInterrupt on leaving, and a second SIGINT
+    ends a process still in set-up at once, as a second preempting signal does."""
 
     def __init__(self, names: tuple = StopSignal.PREEMPT_SIGNALS, grace_s: Optional[float] = None,
                  log_dir: Optional[str | os.PathLike] = None, received: Optional[int] = None):
@@ -1195,6 +1199,7 @@ class SetUpWatch:
         self.grace_s = setup_stop_grace_s() if grace_s is None else grace_s
         self.log_dir = log_dir
         self.received = received  # a stop that came before the watch (its grace starts at the watch)
+        self.interrupted_at: Optional[float] = None  # when the watch saw the first SIGINT
         self._previous_fd = None
         self._done = False
         # set-up finishing and the watcher giving up exclude each other: never both
@@ -1228,6 +1233,9 @@ class SetUpWatch:
             if not data:
                 return
             for signum in data:
+                if signum == signal.SIGINT:
+                    self._interrupt()
+                    continue
                 if signum not in self.signums:
                     continue
                 if first is None:
@@ -1235,6 +1243,14 @@ class SetUpWatch:
                 elif time.monotonic() - first >= self.REPEAT_AFTER_S:
                     os.write(2, f"second {signal.Signals(signum).name} during set-up: exiting at once\n".encode())
                     os._exit(128 + signum)
+
+    def _interrupt(self) -> None:
+        now = time.monotonic()
+        if self.interrupted_at is None:
+            self.interrupted_at = now
+        elif now - self.interrupted_at >= self.REPEAT_AFTER_S:
+            os.write(2, b"second SIGINT during set-up: exiting at once\n")
+            os._exit(128 + signal.SIGINT)
 
     def _give_up(self, signum: int) -> None:
         self._ending.acquire()  # held until the process is gone
@@ -1268,15 +1284,17 @@ class SetUpWatch:
         holder, self._held = lock_unless_another_run(self.log_dir, self.GIVING_UP)
         return holder
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         if self._previous_fd is None:
             return
         with self._ending:
             self._done = True
         signal.set_wakeup_fd(self._previous_fd)
         os.close(self._write)  # the watcher reads end-of-file and returns
-        self._thread.join()
+        self._thread.join()  # it has read every signal that came before the line above
         os.close(self._read)
+        if self.interrupted_at is not None and exc_type is None:
+            raise KeyboardInterrupt("SIGINT during set-up")
 
     def _close(self) -> None:
         os.close(self._write)

@@ -2268,6 +2268,8 @@ def train_preemptible(build: Callable[[], "DDPTrainer"], log_dir, requested=None
     note of a stop it passed on, which this process may not have seen."""
     with rt.StopSignal(rt.StopSignal.PREEMPT_SIGNALS) as stop_signal:
         if requested is not None and requested.value and stop_signal.received is None:
+            if requested.value == signal.SIGINT:  # Ctrl-C before this process had its handler: stop at once
+                raise KeyboardInterrupt("SIGINT passed on before set-up")
             stop_signal.received = requested.value
         with rt.SetUpWatch(log_dir=log_dir, received=stop_signal.received):
             trainer = build()
@@ -2356,7 +2358,10 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker) -> int:
         while not context.join(grace_period=SAVE_GRACE_S if forwarded else None):
             pass
     except mp.ProcessExitedException as exc:
-        return exc.exit_code if exc.exit_code in (rt.EXIT_PREEMPTED, EXIT_BAD_INPUT) or exc.exit_code > 128 else 1
+        if exc.exit_code in (rt.EXIT_PREEMPTED, EXIT_BAD_INPUT) or exc.exit_code > 128:
+            return exc.exit_code
+        # Ctrl-C while the ranks import torch: Python's KeyboardInterrupt there is exit 1, or death by SIGINT
+        return 128 + signal.SIGINT if forwarded[:1] == [signal.SIGINT] else 1
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

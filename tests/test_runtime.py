@@ -522,6 +522,53 @@ def test_a_set_up_that_gives_up_writes_no_marker_into_a_run_dir_another_run_hold
     assert r.returncode == rt.EXIT_PREEMPTED and (tmp_path / "PREEMPTED").exists(), r.stderr
 
 
+_LOST_CTRL_C = """
+import sys, time
+sys.path.insert(0, {repo!r})
+import ddp_runtime as rt
+
+class Closing:
+    def __del__(self):  # Python drops a KeyboardInterrupt raised while this runs ("Exception ignored in")
+        print("closing", flush=True)
+        time.sleep(1)
+
+with rt.StopSignal(rt.StopSignal.PREEMPT_SIGNALS):
+    try:
+        with rt.SetUpWatch(grace_s=30):
+            for _ in range({closings}):
+                Closing()
+            print("set-up done", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+        sys.exit(130)
+    print("training", flush=True)
+"""
+
+
+@pytest.mark.parametrize("signals", [1, 2])
+def test_ctrl_c_in_set_up_stops_it_even_when_python_drops_its_keyboard_interrupt(signals):
+    """Ctrl-C during set-up is Python's KeyboardInterrupt, but one raised while a __del__ runs is dropped and
+    set-up goes on: it then ends with KeyboardInterrupt when set-up does (not with training: a CI run once
+    trained to the end after a Ctrl-C), and a second Ctrl-C ends it at once."""
+    code = _LOST_CTRL_C.format(repo=str(REPO), closings=1 if signals == 1 else 60)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "closing\n"
+        proc.send_signal(signal.SIGINT)
+        if signals == 2:
+            time.sleep(rt.SetUpWatch.REPEAT_AFTER_S + 0.3)
+            proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "Exception ignored in" in err and "KeyboardInterrupt" in err, err
+    assert "training" not in out
+    if signals == 1:
+        assert out.endswith("set-up done\ninterrupted\n"), out
+    else:
+        assert "second SIGINT during set-up: exiting at once" in err and "set-up done" not in out
+
+
 def test_the_set_up_grace_comes_from_the_environment_and_a_bad_value_names_it(monkeypatch):
     monkeypatch.delenv("SETUP_STOP_GRACE_S", raising=False)
     assert rt.SetUpWatch().grace_s == rt.SETUP_STOP_GRACE_S == 20

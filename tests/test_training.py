@@ -753,19 +753,35 @@ def test_a_stop_to_the_group_of_a_starting_nproc_run_stops_it_at_step_1_with_a_s
 
 
 @pytest.mark.multi
-def test_ctrl_c_during_the_set_up_of_an_nproc_run_is_no_success(tmp_path):
-    """Ctrl-C (SIGINT to the group) in set-up stops the ranks at once, nothing to save; torch's spawn wrapper
-    turns a KeyboardInterrupt into exit 0, and the run exited 0 as if it had trained."""
+@pytest.mark.parametrize("when", ["while-the-ranks-import-torch", "during-their-set-up"])
+def test_ctrl_c_during_the_set_up_of_an_nproc_run_is_no_success(tmp_path, when):
+    """Ctrl-C (SIGINT to the group) in set-up stops the ranks at once, nothing to save, exit 130: torch's spawn
+    wrapper turns a KeyboardInterrupt into exit 0, and the run exited 0 as if it had trained; one in a rank's
+    imports was a traceback there and exit 1."""
     cmd = [sys.executable, REPO / "ddp_training.py", "--cpu", "--nproc", "2", "--test", "--log_dir", "logs",
            "--checkpoint_dir", "ckpt", "--dataset_size", "200000"]  # ~3 s of set-up: making and hashing the data
     with background(cmd, tmp_path, env=clean_env()) as proc:
         deadline = time.time() + 60
-        while time.time() < deadline and not (tmp_path / "logs" / "rank_1.log").exists():
+        while time.time() < deadline:
+            ranks = psutil.Process(proc.pid).children()
+            started = len(ranks) >= 2 if when.startswith("while") else (tmp_path / "logs" / "rank_1.log").exists()
+            if started:
+                break
             time.sleep(0.01)
         os.killpg(proc.pid, signal.SIGINT)
         out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGINT, out[-3000:]
     assert not (tmp_path / "logs" / "COMPLETED").exists() and not (tmp_path / "ckpt" / "model_final.pt").exists()
+
+
+def test_a_ctrl_c_passed_on_before_a_rank_had_its_handler_stops_its_set_up_at_once(tmp_path):
+    """spawn_local notes the signals it passes on, for a rank that lost them between its fork and its exec.
+    A Ctrl-C noted there is a KeyboardInterrupt before set-up (exit 130), not a stop that trains a step."""
+    import ddp_training
+    built = []
+    with pytest.raises(KeyboardInterrupt):
+        ddp_training.train_preemptible(lambda: built.append(1), tmp_path, types.SimpleNamespace(value=signal.SIGINT))
+    assert built == [] and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 
 @pytest.mark.multi
