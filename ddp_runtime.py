@@ -1434,7 +1434,24 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu", verify: bool = 
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:
-        raise CheckpointError(f"checkpoint {path} cannot be loaded safely: {exc}") from exc
+        raise CheckpointError(f"checkpoint {path} {why_not_loadable(path, exc)}") from exc
+
+
+def why_not_loadable(path: Path, exc: Exception) -> str:
+    """torch.load's error in one line, without its advice to load with weights_only=False (arbitrary code)."""
+    import pickle
+    import zipfile
+    if not zipfile.is_zipfile(path):  # torch.save has written zip archives since torch 1.6
+        return (f"cannot be loaded: not a whole zip archive as torch.save writes ({path.stat().st_size} bytes: "
+                f"truncated, or another kind of file)")
+    text = str(exc)
+    if isinstance(exc, pickle.UnpicklingError) and text.startswith("Weights only load failed"):
+        # torch's first paragraph and its numbered options are the advice; what it refused comes after
+        said = [line.strip() for line in text.splitlines()[1:]
+                if line.strip() and not line.strip().startswith(("(1)", "(2)", "Check the documentation"))]
+        what = said[0].split("WeightsUnpickler error:")[-1].strip().split(". ")[0].rstrip(".") if said else ""
+        return f"cannot be loaded safely: it holds objects that weights_only=True refuses ({what or 'unnamed'})"
+    return f"cannot be loaded: {type(exc).__name__}: {text.splitlines()[0] if text.strip() else 'the file ends early'}"
 
 
 def remove_stale_temp_files(directory: str | os.PathLike, prefix: str) -> list:
@@ -1557,6 +1574,7 @@ class CheckpointWriter:
         self.wait_s = wait_s  # how long flush() waits for the writes on rank 0 (None: as long as they take)
         self._hung = False
         self._told_pageable = False
+        self._told_slow = False
         self.log = log or logging.getLogger(__name__)
         self.is_writer = not dist.is_initialized() or dist.get_rank() == 0
         self._jobs: "queue.Queue" = queue.Queue()
@@ -1579,6 +1597,13 @@ class CheckpointWriter:
             run_on_rank0(self._write_now, payload, path, then, what=f"writing {path}")
             return path
         if group is None or group != self._group:
+            with self._lock:
+                busy = self._pending > 0  # the previous save point's files are not all on disk yet
+            if busy and not self._told_slow:
+                self._told_slow = True
+                self.log.warning("the previous save point's checkpoint is still being written at this one: a kill "
+                                 "now loses the work since the one before it, up to two intervals (a longer "
+                                 "interval, or synchronous writes, keep it to one)")
             try:
                 self.flush()
             except (CheckpointError, Rank0Failed) as exc:

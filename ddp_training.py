@@ -237,6 +237,9 @@ class TrainConfig:
 
 
 MAX_TIMEOUT_S = 1e7  # about 4 months; c10d holds timeouts in int64 ns, and 1e10 s already fails there
+# Rank 0 waits for a background write this fraction of dist_timeout: the other ranks, waiting for rank 0 as long
+# as dist_timeout from about the same moment, must not give up first and name a stuck rank instead of the write
+WRITE_WAIT_FRACTION = 0.75
 
 
 def _typed(key: str, value, tp):
@@ -919,6 +922,9 @@ class DDPTrainer:
             model, (train_dataset, val_dataset, test_dataset) = self._builtin_lm()
             checkpoint_extra = {"model_config": model.config, **(checkpoint_extra or {})}
             describe = describe or f"CausalLM {model.config}"
+            # settings that change what the weights compute without changing their shapes (num_heads); dropout
+            # is a training choice, which a resume may change
+            self.resume_must_match["model"] = {k: v for k, v in model.config.items() if k != "dropout"}
         if train_dataset is None:
             raise ValueError("a custom model needs train_dataset=")
         self.train_dataset = train_dataset  # the loader may wrap it (per-sample seeds in workers)
@@ -937,8 +943,8 @@ class DDPTrainer:
         self._bar = None
         self.in_train = False
         self.ckpt_dir = Path(cfg.checkpoint_dir)
-        self.writer = rt.CheckpointWriter(cfg.async_checkpoint, self.log, pin=self.non_blocking,
-                                          wait_s=cfg.dist_timeout if env.is_distributed else None)
+        wait_s = WRITE_WAIT_FRACTION * cfg.dist_timeout if env.is_distributed else None
+        self.writer = rt.CheckpointWriter(cfg.async_checkpoint, self.log, pin=self.non_blocking, wait_s=wait_s)
         self.mfu_per_unit = self._mfu_per_unit()
         self.stepped = False  # this process completed a step (DDP has seen a whole backward)
         self._metrics_file = None
@@ -1178,6 +1184,8 @@ class DDPTrainer:
                 batch, weight = self._spare(batch.text), 0.0
             elif self.spare_batch is None:
                 self.spare_batch = batch
+            if fatal and not self.env.is_distributed:  # no collectives to keep: the step fails as it is
+                break
             if fatal or oom:  # this step is lost: keep the collectives, skip the work
                 batch, weight = self._tiny_spare(fatal or "out of memory"), 0.0
             try:
@@ -1197,6 +1205,8 @@ class DDPTrainer:
                     self.log.error("step %d raised on this rank: %s", self.global_step + 1, traceback.format_exc())
                 # the failed forward's activations live as long as the frames of its traceback
                 traceback.clear_frames(exc.__traceback__)
+            if fatal and not self.env.is_distributed:  # a replay would only fail again (a bug in loss_fn)
+                break
             # replayed outside the except block, whose exception would keep them: out of memory, they are the
             # memory the replay needs
             if self.env.device.type == "cuda":
@@ -1561,8 +1571,12 @@ class DDPTrainer:
         # Another configuration is refused, never taken for damage: falling back past it would start
         # fresh and overwrite the finished run's weights.
         checks = [(key, state["run"][key], value) for key, value in self._run_signature().items()]
-        checks += [(key, state.get("must_match", {}).get(key, value), value)  # states before 25 Nov 2026, 17:00
-                   for key, value in self.resume_must_match.items()]          # hold no must_match: not checked
+        for key, value in self.resume_must_match.items():  # states before 25 Nov 2026, 17:00 hold no must_match,
+            was = state.get("must_match", {}).get(key, value)  # and earlier ones no "model": not checked
+            if isinstance(was, dict) and isinstance(value, dict):  # name the entries that differ
+                checks += [(f"{key} {k}", was.get(k), value.get(k)) for k in sorted(was.keys() | value.keys())]
+            else:
+                checks.append((key, was, value))
         for key, was, value in checks:
             if was != value:
                 raise StateMismatch(f"{path} was written with {key}={was}, this run has {key}={value}; resuming "
@@ -2278,9 +2292,9 @@ def train_preemptible(build: Callable[[], "DDPTrainer"], log_dir, requested=None
 
 
 def _train_and_exit_code(rank: int, world_size: int, cfg: dict, local_rank: Optional[int] = None,
-                         requested=None) -> int:
+                         requested=None, show_refusal: bool = True) -> int:
     """Train; the exit status: 0, EXIT_PREEMPTED, or EXIT_BAD_INPUT for a set-up error (bad input), which
-    rank 0 prints as one line."""
+    rank 0 prints as one line (with `show_refusal`; spawn_local prints it itself)."""
     def bad_input(fn, *args, **kwargs):  # not around train(): a ValueError there is a failure with its traceback
         try:
             return fn(*args, **kwargs)
@@ -2291,12 +2305,12 @@ def _train_and_exit_code(rank: int, world_size: int, cfg: dict, local_rank: Opti
     try:
         return train_preemptible(build, bad_input(TrainConfig.from_dict, cfg).log_dir, requested)
     except BadInput as exc:
-        return rt.refuse(str(exc), show=rank == 0)
+        return rt.refuse(str(exc), show=show_refusal and rank == 0)
 
 
 def _spawned_worker(rank: int, world_size: int, cfg: dict, requested=None) -> None:
     try:
-        code = _train_and_exit_code(rank, world_size, cfg, requested=requested)
+        code = _train_and_exit_code(rank, world_size, cfg, requested=requested, show_refusal=False)
     except KeyboardInterrupt:  # Ctrl-C in set-up; torch's spawn wrapper would make it exit 0, a success
         code = 128 + signal.SIGINT
     rt.exit_process(code)
@@ -2324,10 +2338,17 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker) -> int:
 
     A signal passed on to a rank between its fork and its exec is taken by the handler it inherited from
     this process and lost; `requested` (shared memory) holds the first stop, and each rank reads it once it
-    has its own handler."""
+    has its own handler.
+
+    A rank that refuses its input leaves the reason where torchrun would look for it (TORCHELASTIC_ERROR_FILE,
+    here in a temporary dir), and this process prints it: rank 0 printing it could be ended by torch first,
+    when a peer refused and exited before it."""
     import torch.multiprocessing as mp
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(free_port())
+    reasons = tempfile.TemporaryDirectory(prefix="ddp_training_nproc_")
+    refusal = Path(reasons.name) / "error.json"
+    os.environ["TORCHELASTIC_ERROR_FILE"] = str(refusal)
     context, forwarded = None, []
     requested = mp.get_context("spawn").RawValue("i", 0)  # no lock: a signal handler writes it
 
@@ -2358,6 +2379,9 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker) -> int:
         while not context.join(grace_period=SAVE_GRACE_S if forwarded else None):
             pass
     except mp.ProcessExitedException as exc:
+        if refusal.exists():  # whatever its peers did then, the input ended the run
+            print(json.loads(refusal.read_text())["message"]["message"], file=sys.stderr, flush=True)
+            return EXIT_BAD_INPUT
         if exc.exit_code in (rt.EXIT_PREEMPTED, EXIT_BAD_INPUT) or exc.exit_code > 128:
             return exc.exit_code
         # Ctrl-C while the ranks import torch: Python's KeyboardInterrupt there is exit 1, or death by SIGINT
@@ -2365,6 +2389,8 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        del os.environ["TORCHELASTIC_ERROR_FILE"]
+        reasons.cleanup()
     return 0
 
 

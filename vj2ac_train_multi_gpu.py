@@ -436,7 +436,8 @@ def _set_up(args, launch, cfg, log):
                              checkpoint_extra={"predictor_config": predictor.config,
                                                "rollout_horizon": args.rollout_horizon}, weights_key="predictor",
                              count_unit="samples", describe=describe, data_fingerprint=train_set.fingerprint(),
-                             resume_must_match={"rollout_horizon": args.rollout_horizon,
+                             resume_must_match={"predictor": predictor.config,
+                                                "rollout_horizon": args.rollout_horizon,
                                                 "validation data (fingerprint)": val_set.fingerprint()})
     except RunDirInUse:
         raise

@@ -735,3 +735,22 @@ def test_out_of_memory_with_one_sample_batches_stops_every_rank_alike(tmp_path):
     # before: rank 0, with no real batch to split, went on into the step alone and met a dead peer there
     assert spawn(_oom_beside_a_failed_batch, 2, str(tmp_path), timeout=90) == \
         ["StepFailed: step 1: out of memory even with micro-batches of one sample"] * 2
+
+
+def _hung_write(rank, world_size, root):
+    if rank == 0:  # every write of rank 0 hangs (a file system that stopped answering)
+        rt.atomic_save = lambda obj, path: time.sleep(60)
+    trainer = DDPTrainer(rank=rank, world_size=world_size, config=cfg_for(root, save_every_iters=4, dist_timeout=4))
+    try:
+        trainer.train()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_a_hung_checkpoint_write_is_named_on_every_rank(tmp_path):
+    """Rank 0 waited for its write as long as the others waited for rank 0 (dist_timeout): about half the time
+    they gave up first, and the run ended with 'a rank is stuck' instead of the hung write."""
+    results = spawn(_hung_write, 2, str(tmp_path), timeout=120)
+    assert all("CheckpointWriteHung" in r and "a checkpoint write did not finish within 3 s" in r
+               for r in results), results

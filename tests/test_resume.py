@@ -368,6 +368,8 @@ def test_a_state_that_fails_half_way_leaves_no_trace(tmp_path, no_launch_env, da
     ({"grad_accum_steps": 2}, "grad_accum_steps=1, this run has grad_accum_steps=2"),
     ({"seed": 7}, "seed=1337, this run has seed=7"),
     ({"dataset_size": 256}, r"train_samples=\d+, this run has train_samples=\d+"),
+    # weights of the same shapes computing something else: resumed silently before
+    ({"num_heads": 4}, "model num_heads=2, this run has model num_heads=4"),
 ])
 def test_a_setting_the_sample_order_depends_on_is_refused_clearly(tmp_path, no_launch_env, change, message):
     DDPTrainer(config=cfg_for(tmp_path), loss_fn=SignalAt(6)).train()
@@ -375,12 +377,26 @@ def test_a_setting_the_sample_order_depends_on_is_refused_clearly(tmp_path, no_l
         DDPTrainer(config=cfg_for(tmp_path, **change))
 
 
+def test_another_dropout_resumes(tmp_path, no_launch_env):
+    """Dropout is a training choice, not the model's function: a resume may change it."""
+    DDPTrainer(config=cfg_for(tmp_path), loss_fn=SignalAt(6)).train()
+    assert DDPTrainer(config=cfg_for(tmp_path, dropout=0.2)).train()["resumed_from"] is not None
+
+
 def test_another_model_is_refused_and_nothing_is_overwritten(tmp_path, no_launch_env):
     DDPTrainer(config=cfg_for(tmp_path)).train()
     before = {p.name: p.read_bytes() for p in (tmp_path / "ckpt").glob("*.pt")}
-    with pytest.raises(ValueError, match="model_state_step_20.pt holds another model .size mismatch for .*resuming it is refused"):
+    with pytest.raises(ValueError, match="model_state_step_20.pt was written with model hidden_size=32, this run "
+                                         "has model hidden_size=64; resuming with a different model hidden_size"):
         DDPTrainer(config=cfg_for(tmp_path, hidden_size=64))
     assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt").glob("*.pt")} == before
+    # a state that names no model settings (a user's model, or written before they were) is refused by its weights
+    for path in (tmp_path / "ckpt").glob("model_state_step_*.pt"):
+        state = rt.load_checkpoint(path)
+        del state["must_match"]["model"]
+        rt.atomic_save(state, path)
+    with pytest.raises(ValueError, match="model_state_step_20.pt holds another model .size mismatch for .*resuming it is refused"):
+        DDPTrainer(config=cfg_for(tmp_path, hidden_size=64))
 
 
 def test_no_loadable_state_is_an_error_not_a_fresh_start(tmp_path, no_launch_env):

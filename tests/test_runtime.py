@@ -819,6 +819,27 @@ def test_flush_gives_up_on_a_write_that_hangs_after_wait_s(tmp_path, monkeypatch
     release.set()
 
 
+def test_a_write_still_running_at_the_next_save_point_is_told_once(tmp_path, monkeypatch, caplog):
+    """While a background write runs, a kill loses the work since the save point before it: up to two
+    intervals when writes take as long as the interval. The user is told once, at the first such wait."""
+    release = threading.Event()
+    real_save = rt.atomic_save
+    monkeypatch.setattr(rt, "atomic_save", lambda obj, path: release.wait(30) and real_save(obj, path))
+    writer = rt.CheckpointWriter(background=True)
+    told = "the previous save point's checkpoint is still being written at this one"
+    writer.save({"w": torch.ones(2)}, tmp_path / "a.pt", group=1)
+    threading.Timer(0.3, release.set).start()
+    with caplog.at_level(logging.WARNING):
+        writer.save({"w": torch.ones(2)}, tmp_path / "b.pt", group=2)  # waits for a.pt
+        assert (tmp_path / "a.pt").exists() and caplog.text.count(told) == 1
+        release.clear()
+        writer.save({"w": torch.ones(2)}, tmp_path / "c.pt", group=3)
+        threading.Timer(0.3, release.set).start()
+        writer.save({"w": torch.ones(2)}, tmp_path / "d.pt", group=4)
+    assert writer.close(timeout_s=30) is None and (tmp_path / "d.pt").exists()
+    assert caplog.text.count(told) == 1
+
+
 def test_failed_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
     path = rt.atomic_save({"v": torch.ones(3)}, tmp_path / "c.pt")
     real_save = torch.save
@@ -1034,9 +1055,24 @@ def test_pickle_payload_is_refused_without_running(tmp_path, monkeypatch):
     buf = io.BytesIO()
     torch.save({"model": Boom()}, buf)
     (tmp_path / "evil.pt").write_bytes(buf.getvalue())
-    with pytest.raises(rt.CheckpointError, match="cannot be loaded safely"):
+    with pytest.raises(rt.CheckpointError, match="cannot be loaded safely: it holds objects that weights_only=True "
+                       r"refuses \(Trying to load unsupported GLOBAL posix.system whose module posix is blocked\)$"):
         rt.load_checkpoint(tmp_path / "evil.pt")
     assert not (tmp_path / "boom.txt").exists()
+
+
+def test_a_file_that_is_no_checkpoint_gets_one_line_without_torchs_advice_to_load_it_unsafely(tmp_path):
+    """torch.load's own message runs over lines and says that weights_only=False would likely succeed."""
+    whole = io.BytesIO()
+    torch.save({"w": torch.ones(100)}, whole)
+    files = {"config.yaml": b"run_name: a\nlr: 0.001\n", "empty.pt": b"", "cut.pt": whole.getvalue()[:400],
+             "noise.pt": bytes(random.Random(0).randbytes(1000))}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(rt.CheckpointError) as err:
+            rt.load_checkpoint(tmp_path / name)
+        assert str(err.value) == (f"checkpoint {tmp_path / name} cannot be loaded: not a whole zip archive as "
+                                  f"torch.save writes ({len(data)} bytes: truncated, or another kind of file)")
 
 
 UNCAUGHT_IN_A_LOADER_LOOP = """

@@ -359,14 +359,15 @@ def test_evaluate_without_a_validation_set_says_so(tmp_path, no_launch_env):
 ])
 def test_what_loss_fn_returns_is_checked_and_named(tmp_path, no_launch_env, returns, message):
     """A mistake in loss_fn's return value surfaced as an error deep inside the step (a 0-d tensor indexed,
-    a broadcast shape, 'float' has no attribute 'detach'), never naming loss_fn."""
-    from ddp_training import lm_loss
+    a broadcast shape, 'float' has no attribute 'detach'), never naming loss_fn. One process has no peers to
+    keep in step: the step fails as it is (a weight-zero replay met the same error: StepAbandoned)."""
+    from ddp_training import StepFailed, lm_loss
     cfg = {**QUICK, **dirs(tmp_path), "max_steps": 2, "val_interval": 0}
     trainer = DDPTrainer(config=cfg, loss_fn=lambda model, batch: returns(*lm_loss(model, batch)))
     if message is None:
         assert trainer.train()["steps"] == 2
     else:
-        with pytest.raises(Exception, match=message):
+        with pytest.raises(StepFailed, match="^step 1 failed on rank 0: TypeError in forward: " + message):
             trainer.train()
 
 
@@ -643,6 +644,8 @@ def test_cli_precedence_defaults_yaml_flags(tmp_path):
     (["--config", "missing.yaml"], "--config missing.yaml: [Errno 2] No such file"),
     (["--cpu", "--data", "missing.txt"], "error: FileNotFoundError: --data missing.txt: no such file"),
     (["--cpu", "--nproc", "2", "--data", "missing.txt"], "error: FileNotFoundError: --data missing.txt: no such"),
+    # refused by each rank before they meet: rank 1 may exit first (see the next test)
+    (["--cpu", "--nproc", "2", "--dist_backend", "nccl"], "error: ValueError: the nccl backend needs CUDA"),
     (["--cpu", "--data", "empty.txt"], "error: ValueError: --data empty.txt: the file is empty"),
     (["--cpu", "--data", "."], "error: ValueError: --data .: is a directory"),
     (["--device", "cuda"], "error: ValueError: --device cuda: CUDA is not available here"),  # CUDA hidden below
@@ -673,6 +676,24 @@ def test_cli_bad_input_exits_2_with_a_clear_message(tmp_path, argv, message):
     assert r.returncode == 2 and message in r.stdout, r.stdout
     assert not list(tmp_path.rglob("FAILED_rank_*")), "bad input is no failed run"
     assert "Traceback" not in r.stdout and r.stdout.count("error:") == 1, r.stdout  # one line, from rank 0
+
+
+def _rank_1_refuses(rank, world_size, cfg, requested):
+    if rank == 1:
+        rt.exit_process(rt.refuse("ValueError: rank 1's shard is empty", show=False))
+    time.sleep(60)  # rank 0 never gets to print it: torch ends it once rank 1 has exited
+    rt.exit_process(0)
+
+
+def test_nproc_prints_the_reason_of_a_rank_that_refused_before_rank_0(capfd):
+    """Only rank 0 printed a refusal; when a peer refused first (a check that every rank makes before they
+    meet), torch ended rank 0 before it printed, and the run exited 2 without a word."""
+    import ddp_training
+    t0 = time.monotonic()
+    assert ddp_training.spawn_local(2, {}, worker=_rank_1_refuses) == 2
+    assert time.monotonic() - t0 < 50
+    assert capfd.readouterr().err.count("error: ValueError: rank 1's shard is empty\n") == 1
+    assert "TORCHELASTIC_ERROR_FILE" not in os.environ
 
 
 # -- real processes ----------------------------------------------------------------------

@@ -339,6 +339,8 @@ def test_resuming_on_other_data_is_refused(tmp_path, no_launch_env, capsys):
     assert vj2.main([*common, *train, "--rollout_horizon", "1"]) == 2
     assert "was written with rollout_horizon=2, this run has rollout_horizon=1; resuming with a different " \
         "rollout_horizon is refused" in capsys.readouterr().err
+    assert vj2.main([*common, *train, "--num_heads", "4"]) == 2  # the weights' shapes alone would not tell
+    assert "was written with predictor num_heads=2, this run has predictor num_heads=4" in capsys.readouterr().err
     other_val = [*common[2:], "--validation_data_dir", str(tmp_path / "other")]
     assert vj2.main([*other_val, *train]) == 2
     assert "was written with validation data (fingerprint)=" in capsys.readouterr().err
