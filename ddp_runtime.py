@@ -329,21 +329,23 @@ def refuse(message: str, show: bool = True) -> int:
     torchrun the reason also goes where torchrun looks for a worker's (TORCHELASTIC_ERROR_FILE, in the
     format of torch's ErrorHandler): its failure summary then shows it, and adds the exit code, which is how
     the launcher tells bad input from a failure (torchrun itself exits 1 whatever its workers' codes)."""
-    if show:
+    if not note_for_torchrun(f"error: {message}") or show:  # a reason its file lost is printed here
         print(f"error: {message}", file=sys.stderr, flush=True)
-    note_for_torchrun(f"error: {message}")
     return EXIT_BAD_INPUT
 
 
-def note_for_torchrun(message: str) -> None:
+def note_for_torchrun(message: str) -> bool:
+    """`message` into TORCHELASTIC_ERROR_FILE where one is set; False if it could not be written."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
-        return
+        return True
     reason = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}
     try:  # whole or not at all: torchrun's summary fails on a file it cannot parse
         atomic_write_text(path, json.dumps(reason))
-    except OSError as exc:  # the reason is on stderr all the same
+    except OSError as exc:
         print(f"cannot write torchrun's error file {path}: {exc}", file=sys.stderr)
+        return False
+    return True
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -1233,7 +1235,7 @@ class SetUpWatch:
             if not data:
                 return
             for signum in data:
-                if signum == signal.SIGINT:
+                if signum == signal.SIGINT and signum not in self.signums:  # Ctrl-C, not a stop to agree on
                     self._interrupt()
                     continue
                 if signum not in self.signums:
@@ -1416,7 +1418,7 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu", verify: bool = 
     """Load with weights_only=True (never falls back); check the SHA-256 sidecar when present."""
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist")
+        raise CheckpointError(f"checkpoint {path} {'is a directory' if path.is_dir() else 'does not exist'}")
     sidecar = path.with_name(path.name + ".sha256")
     if verify and sidecar.exists():
         try:  # a CheckpointError, like any unreadable state: the resume tries the one before it on every rank
@@ -1441,6 +1443,8 @@ def why_not_loadable(path: Path, exc: Exception) -> str:
     """torch.load's error in one line, without its advice to load with weights_only=False (arbitrary code)."""
     import pickle
     import zipfile
+    if isinstance(exc, OSError):  # is_zipfile would hide it: it takes a file it cannot read for no zip
+        return f"cannot be read: {exc}"
     if not zipfile.is_zipfile(path):  # torch.save has written zip archives since torch 1.6
         return (f"cannot be loaded: not a whole zip archive as torch.save writes ({path.stat().st_size} bytes: "
                 f"truncated, or another kind of file)")

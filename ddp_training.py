@@ -1178,6 +1178,8 @@ class DDPTrainer:
             if isinstance(batch, BatchError):
                 if batch.fatal:
                     fatal = fatal or f"data loading failed: {batch.text}"
+                    if not self.env.is_distributed:  # no collectives to keep: the step fails as it is
+                        break
                 elif batch.counted:
                     data_errors += 1
                     self.local_errors.append(f"data error: {batch.text}")
@@ -2285,8 +2287,16 @@ def train_preemptible(build: Callable[[], "DDPTrainer"], log_dir, requested=None
             if requested.value == signal.SIGINT:  # Ctrl-C before this process had its handler: stop at once
                 raise KeyboardInterrupt("SIGINT passed on before set-up")
             stop_signal.received = requested.value
-        with rt.SetUpWatch(log_dir=log_dir, received=stop_signal.received):
-            trainer = build()
+        trainer = None
+        try:
+            with rt.SetUpWatch(log_dir=log_dir, received=stop_signal.received):
+                trainer = build()
+        except KeyboardInterrupt:  # a Ctrl-C the watch saw, after the trainer was built: it lets go of it all
+            if trainer is not None:
+                trainer.close()
+                rt.close_logger(trainer.log)
+                rt.teardown_distributed()
+            raise
         summary = trainer.train(stop_signal)
     return rt.EXIT_PREEMPTED if summary["status"] == "interrupted" else 0
 
@@ -2347,8 +2357,8 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker) -> int:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(free_port())
     reasons = tempfile.TemporaryDirectory(prefix="ddp_training_nproc_")
-    refusal = Path(reasons.name) / "error.json"
-    os.environ["TORCHELASTIC_ERROR_FILE"] = str(refusal)
+    refusal = Path(reasons.name) / "error.json"  # ranks refusing for different reasons: one of them
+    outer_error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     context, forwarded = None, []
     requested = mp.get_context("spawn").RawValue("i", 0)  # no lock: a signal handler writes it
 
@@ -2361,6 +2371,7 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker) -> int:
     # before the start: a signal in between would kill this process and leave the ranks unattended
     previous = {sig: signal.signal(sig, forward) for sig in (getattr(signal, n) for n in rt.StopSignal.SIGNALS)}
     try:
+        os.environ["TORCHELASTIC_ERROR_FILE"] = str(refusal)
         context = mp.start_processes(worker, args=(nproc, cfg, requested), nprocs=nproc, join=False,
                                      start_method="spawn")
         if forwarded:
@@ -2385,11 +2396,15 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker) -> int:
         if exc.exit_code in (rt.EXIT_PREEMPTED, EXIT_BAD_INPUT) or exc.exit_code > 128:
             return exc.exit_code
         # Ctrl-C while the ranks import torch: Python's KeyboardInterrupt there is exit 1, or death by SIGINT
-        return 128 + signal.SIGINT if forwarded[:1] == [signal.SIGINT] else 1
+        ctrl_c = forwarded[:1] == [signal.SIGINT] and exc.exit_code in (1, -signal.SIGINT)
+        return 128 + signal.SIGINT if ctrl_c else 1
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        del os.environ["TORCHELASTIC_ERROR_FILE"]
+        if outer_error_file is None:
+            os.environ.pop("TORCHELASTIC_ERROR_FILE", None)
+        else:
+            os.environ["TORCHELASTIC_ERROR_FILE"] = outer_error_file
         reasons.cleanup()
     return 0
 

@@ -569,6 +569,18 @@ def test_ctrl_c_in_set_up_stops_it_even_when_python_drops_its_keyboard_interrupt
         assert "second SIGINT during set-up: exiting at once" in err and "set-up done" not in out
 
 
+def test_a_watch_that_takes_sigint_for_a_stop_leaves_it_to_the_stop():
+    """Only Ctrl-C outside the watch's signals is a KeyboardInterrupt at the end of set-up."""
+    with rt.StopSignal(rt.StopSignal.SIGNALS) as stop:
+        try:
+            with rt.SetUpWatch(rt.StopSignal.SIGNALS, grace_s=30):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.1)
+        except KeyboardInterrupt:
+            pytest.fail("a SIGINT the watch was given as a stop became a KeyboardInterrupt")
+    assert stop.received == signal.SIGINT
+
+
 def test_the_set_up_grace_comes_from_the_environment_and_a_bad_value_names_it(monkeypatch):
     monkeypatch.delenv("SETUP_STOP_GRACE_S", raising=False)
     assert rt.SetUpWatch().grace_s == rt.SETUP_STOP_GRACE_S == 20
@@ -832,12 +844,14 @@ def test_a_write_still_running_at_the_next_save_point_is_told_once(tmp_path, mon
     with caplog.at_level(logging.WARNING):
         writer.save({"w": torch.ones(2)}, tmp_path / "b.pt", group=2)  # waits for a.pt
         assert (tmp_path / "a.pt").exists() and caplog.text.count(told) == 1
+        writer.flush()
+        assert (tmp_path / "b.pt").exists()
         release.clear()
         writer.save({"w": torch.ones(2)}, tmp_path / "c.pt", group=3)
         threading.Timer(0.3, release.set).start()
-        writer.save({"w": torch.ones(2)}, tmp_path / "d.pt", group=4)
-    assert writer.close(timeout_s=30) is None and (tmp_path / "d.pt").exists()
-    assert caplog.text.count(told) == 1
+        writer.save({"w": torch.ones(2)}, tmp_path / "d.pt", group=4)  # waits for c.pt: not told again
+    assert writer.close(timeout_s=30) is None
+    assert all((tmp_path / f"{name}.pt").exists() for name in "abcd") and caplog.text.count(told) == 1
 
 
 def test_failed_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
@@ -1073,6 +1087,11 @@ def test_a_file_that_is_no_checkpoint_gets_one_line_without_torchs_advice_to_loa
             rt.load_checkpoint(tmp_path / name)
         assert str(err.value) == (f"checkpoint {tmp_path / name} cannot be loaded: not a whole zip archive as "
                                   f"torch.save writes ({len(data)} bytes: truncated, or another kind of file)")
+    with pytest.raises(rt.CheckpointError, match=f"^checkpoint {tmp_path} is a directory$"):
+        rt.load_checkpoint(tmp_path)
+    # a file that cannot be read is not called truncated (is_zipfile takes it for no zip)
+    error = rt.why_not_loadable(tmp_path / "empty.pt", PermissionError(13, "Permission denied"))
+    assert error == "cannot be read: [Errno 13] Permission denied"
 
 
 UNCAUGHT_IN_A_LOADER_LOOP = """

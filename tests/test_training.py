@@ -747,6 +747,18 @@ def test_sigterm_to_a_local_nproc_run_saves_and_exits_75(tmp_path, to_group):
     assert step >= 3 and (tmp_path / "ckpt" / f"model_state_step_{step}.pt").exists()
 
 
+def ranks_of(proc) -> list:
+    """The ranks an --nproc run has started (not multiprocessing's resource tracker, also its child)."""
+    children = []
+    for child in psutil.Process(proc.pid).children():
+        try:
+            if "resource_tracker" not in " ".join(child.cmdline()):
+                children.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return children
+
+
 @pytest.mark.multi
 @pytest.mark.parametrize("when", ["while-the-ranks-import-torch", "during-their-set-up"])
 def test_a_stop_to_the_group_of_a_starting_nproc_run_stops_it_at_step_1_with_a_save(tmp_path, when):
@@ -757,8 +769,8 @@ def test_a_stop_to_the_group_of_a_starting_nproc_run_stops_it_at_step_1_with_a_s
     with background(cmd, tmp_path, env=clean_env()) as proc:
         deadline = time.time() + 60
         while time.time() < deadline:
-            ranks = psutil.Process(proc.pid).children()
-            started = len(ranks) >= 2 if when.startswith("while") else (tmp_path / "logs" / "rank_1.log").exists()
+            started = (len(ranks_of(proc)) >= 2 if when.startswith("while")
+                       else (tmp_path / "logs" / "rank_1.log").exists())
             if started:
                 break
             time.sleep(0.01)
@@ -784,8 +796,8 @@ def test_ctrl_c_during_the_set_up_of_an_nproc_run_is_no_success(tmp_path, when):
     with background(cmd, tmp_path, env=clean_env()) as proc:
         deadline = time.time() + 60
         while time.time() < deadline:
-            ranks = psutil.Process(proc.pid).children()
-            started = len(ranks) >= 2 if when.startswith("while") else (tmp_path / "logs" / "rank_1.log").exists()
+            started = (len(ranks_of(proc)) >= 2 if when.startswith("while")
+                       else (tmp_path / "logs" / "rank_1.log").exists())
             if started:
                 break
             time.sleep(0.01)
@@ -803,6 +815,39 @@ def test_a_ctrl_c_passed_on_before_a_rank_had_its_handler_stops_its_set_up_at_on
     with pytest.raises(KeyboardInterrupt):
         ddp_training.train_preemptible(lambda: built.append(1), tmp_path, types.SimpleNamespace(value=signal.SIGINT))
     assert built == [] and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+_CTRL_C_DROPPED_IN_BUILD = """
+import os, signal, sys, time
+sys.path.insert(0, {repo!r})
+import ddp_training
+cfg = {{"max_steps": 2, "hidden_size": 16, "num_layers": 1, "dataset_size": 256, "device": "cpu",
+       "log_dir": {log!r}, "checkpoint_dir": {ckpt!r}}}
+
+def build():
+    trainer = ddp_training.DDPTrainer(config=cfg)
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+    except KeyboardInterrupt:
+        pass  # dropped, as Python drops one raised in a __del__
+    return trainer
+
+try:
+    ddp_training.train_preemptible(build, cfg["log_dir"])
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+print(ddp_training.DDPTrainer(config=cfg).train()["status"])
+"""
+
+
+def test_a_ctrl_c_seen_after_the_trainer_was_built_lets_go_of_its_run_dirs(tmp_path):
+    """The set-up watch raises KeyboardInterrupt when set-up ends after a Ctrl-C that Python dropped; the
+    trainer built by then held the run dirs' lock, and nothing closed it."""
+    code = _CTRL_C_DROPPED_IN_BUILD.format(repo=str(REPO), log=str(tmp_path / "logs"), ckpt=str(tmp_path / "ckpt"))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=clean_env())
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and "interrupted" in lines and lines[-1] == "completed", r.stdout + r.stderr
 
 
 @pytest.mark.multi
