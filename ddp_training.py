@@ -32,6 +32,7 @@ import tempfile
 import time
 import traceback
 import typing
+import warnings
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -74,7 +75,8 @@ HELP = {
     "loader_timeout": "seconds a rank waits for a batch from its DataLoader workers before the run fails (a stuck "
                       "worker: a hung read, a deadlock)",
     "batch_size": "samples per rank and micro-step", "grad_accum_steps": "micro-steps per optimizer step (no_sync)",
-    "learning_rate": "peak AdamW learning rate", "weight_decay": "AdamW decay (not on biases and norms)",
+    "learning_rate": "peak AdamW learning rate",
+    "weight_decay": "AdamW decay, on parameters of 2+ dimensions (not biases, norm gains)",
     "grad_clip": "clip the global gradient norm to this; 0 = off",
     "lr_schedule": "learning-rate shape after warm-up, counted in optimizer steps",
     "warmup_steps": "linear warm-up steps", "min_lr_ratio": "the schedule's floor as a share of the peak, in [0, 1]",
@@ -566,7 +568,8 @@ OPTIMIZER_KERNELS = ("fused", "foreach")
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float, device: torch.device):
-    """AdamW; matrices decay, biases and norm gains do not."""
+    """AdamW; parameters of 2+ dimensions decay (matrices, embeddings), 1-D ones do not (biases, norm gains,
+    any per-channel scale)."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
@@ -1162,6 +1165,8 @@ class DDPTrainer:
                           retry=bool(g["oom"]))
             if g["nonfinite"] > 0 or count == 0:  # the tally left the non-finite losses out, or holds nothing
                 result["loss"], result["extras"] = float("nan"), dict.fromkeys(names, float("nan"))
+            if not g["oom"]:  # retried: not a step yet
+                self._skip_in_schedule()
             return result
         norm = self._apply_update(grads, raw_norm_value, count)
         result.update(skipped=False, nonfinite=False, empty=False, grad_norm=norm)
@@ -1274,6 +1279,14 @@ class DDPTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return norm
+
+    def _skip_in_schedule(self) -> None:
+        """A skipped step counts towards max_steps, so the schedule moves on too: the rate of step N is the
+        schedule's at N whatever was skipped before, and the run ends at its floor. (torch warns of a scheduler
+        that steps before its optimizer has, which a skipped first step does on purpose.)"""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+            self.scheduler.step()
 
     def _tiny_spare(self, why: str):
         """Two samples of the spare batch: enough to complete this rank's collectives with weight zero (one
@@ -1631,7 +1644,11 @@ class DDPTrainer:
         step = self.scheduler.last_epoch
         for g, (lr, wd), factor in zip(groups, configured, self.scheduler.lr_lambdas):
             g["initial_lr"], g["weight_decay"], g["lr"] = lr, wd, lr * factor(step)  # LambdaLR's own formula
-        self.scheduler._last_lr = [g["lr"] for g in groups]
+        was, self.scheduler._last_lr = self.scheduler._last_lr, [g["lr"] for g in groups]
+        if saved == configured and was != self.scheduler._last_lr:  # a finished cosine re-warms when lengthened
+            self.log.warning("the learning rate of the next step is %.3g, not the state's %.3g: this run's schedule "
+                             "(another max_steps or schedule settings) reshapes the rest of it",
+                             self.scheduler._last_lr[0], was[0])
 
     def write_metrics(self, record: dict) -> None:
         if not self.env.is_main:

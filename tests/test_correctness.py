@@ -10,6 +10,7 @@ optimizer steps, and every comparison able to fail:
 Tolerances (fp32 on the CPU; differences come only from summation order):
   RTOL         relative L2 error ||a - b|| / ||b|| of gradients, losses, and plain-DDP weights
   WEIGHT_RTOL  the same for the transformer's weights after several AdamW steps of the trainer
+  DRIFT_RTOL   the same for the trainer's gradients and losses after its first step
   MIN_BREAK    the smallest distance a broken mechanism must have from the reference
 """
 
@@ -36,10 +37,14 @@ RTOL = 1e-6              # fp32, summation order only
 # transformer are ~0 by symmetry (the key bias: softmax ignores a shift of all scores; query/key
 # weights at near-uniform initial attention), so summation-order noise of 1e-7 in them becomes
 # an lr-sized difference in those elements: measured 5e-6 to 7e-6 of the whole model after 4-5
-# steps, for accumulation on ONE process as much as for two ranks. The gradients themselves stay
-# within RTOL at every step. The mistakes these tests exist for move the weights much further:
-# gradients off by a factor 2 by 2e-4, per-rank means instead of the global token mean by 2e-1.
+# steps, for accumulation on ONE process as much as for two ranks. The mistakes these tests exist for
+# move the weights much further: gradients off by a factor 2 by 2e-4, per-rank means instead of the
+# global token mean by 2e-1.
 WEIGHT_RTOL = 3e-5
+# Step 1's gradients are taken at identical weights and must agree within RTOL. Later ones are taken at
+# weights that already differ as above: measured 1.1e-6 to 1.3e-6 apart on an AMD EPYC (under RTOL on
+# the Intel machines), so later steps get this margin, still 100x below a factor-2 mistake's distance.
+DRIFT_RTOL = 1e-5
 MIN_BREAK = 100 * RTOL   # a broken mechanism must miss by at least this much
 SPAWN_TIMEOUT = 180.0    # generous: the CI machine may be shared
 
@@ -346,9 +351,11 @@ def step_losses(log_dir) -> list:
 def assert_same_training(run: dict, ref: dict, steps: int):
     assert len(run["grads"]) == len(ref["grads"]) == steps
     for step, (g, r) in enumerate(zip(run["grads"], ref["grads"])):
-        assert rel(g, r) < RTOL, f"step {step + 1}: gradient {rel(g, r):.2e} from the reference"
+        tol = RTOL if step == 0 else DRIFT_RTOL
+        assert rel(g, r) < tol, f"step {step + 1}: gradient {rel(g, r):.2e} from the reference"
     a, b = (step_losses(Path(r["dir"]) / "logs") for r in (run, ref))
-    assert len(a) == len(b) == steps and all(abs(x - y) <= RTOL * abs(y) for x, y in zip(a, b)), (a, b)
+    assert len(a) == len(b) == steps, (a, b)
+    assert all(abs(x - y) <= (RTOL if i == 0 else DRIFT_RTOL) * abs(y) for i, (x, y) in enumerate(zip(a, b))), (a, b)
     assert rel(final_weights(run), final_weights(ref)) < WEIGHT_RTOL
     # Guard against a vacuous pass: the steps moved the weights far more than the tolerance.
     assert rel(final_weights(run), run["init"]) > MIN_BREAK

@@ -284,6 +284,21 @@ def test_a_changed_learning_rate_applies_after_resume(tmp_path, no_launch_env, c
     assert "this run's [(0.001, 0.05), (0.001, 0.0)] apply" in (tmp_path / "logs" / "rank_0.log").read_text()
 
 
+def test_a_lengthened_run_says_that_its_rate_jumps(tmp_path, no_launch_env):
+    """A finished cosine run resumed with a longer max_steps climbs back up its new curve: documented, but a
+    run that jumps from the floor to most of the peak says so; a plain resume does not."""
+    cfg = cfg_for(tmp_path, max_steps=6)
+    DDPTrainer(config=cfg, loss_fn=SignalAt(3)).train()
+    DDPTrainer(config=cfg).train()
+    told = "the learning rate of the next step is"
+    assert told not in (tmp_path / "logs" / "rank_0.log").read_text()
+    DDPTrainer(config={**cfg, "max_steps": 12}).train()
+    from ddp_training import lr_factor
+    rates = [BASE["learning_rate"] * lr_factor(6, n, BASE["warmup_steps"], "cosine", 0.1) for n in (12, 6)]
+    assert f"{told} {rates[0]:.3g}, not the state's {rates[1]:.3g}: this run's schedule" in \
+        (tmp_path / "logs" / "rank_0.log").read_text()
+
+
 def test_a_resumed_optimizer_keeps_this_devices_kernels(tmp_path, no_launch_env):
     """An optimizer state carries the fused/foreach choice of the device that saved it, and torch's
     load_state_dict takes it: a state from a GPU (fused) resumed on the CPU runs foreach, as configured here."""

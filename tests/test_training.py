@@ -287,6 +287,25 @@ def test_each_step_logs_the_learning_rate_of_its_schedule(tmp_path, no_launch_en
     assert logged == pytest.approx(SCHEDULES[schedule], abs=1e-6)
 
 
+def test_skipped_steps_move_the_schedule_on_too(tmp_path, no_launch_env):
+    """A skipped step counts towards max_steps: the schedule counts it too, so step N's rate is the schedule's
+    at N (the schedule lagged one step per skip, and the run ended short of its floor)."""
+    from ddp_training import lm_loss
+    calls = {"n": 0}
+
+    def poisoned(model, batch):
+        calls["n"] += model.training
+        s, c = lm_loss(model, batch)
+        return (s * float("nan"), c) if model.training and calls["n"] in (1, 5) else (s, c)
+
+    cfg = {**QUICK, **dirs(tmp_path), "max_steps": 10, "warmup_steps": 2, "min_lr_ratio": 0.1, "val_interval": 0,
+           "dataset_size": 256, "lr_schedule": "cosine"}
+    DDPTrainer(config=cfg, loss_fn=poisoned).train()
+    train = metrics(tmp_path / "logs", "train")
+    assert [r["step"] for r in train if r["skipped"]] == [1, 5]
+    assert [r["lr"] / QUICK["learning_rate"] for r in train] == pytest.approx(SCHEDULES["cosine"], abs=1e-6)
+
+
 class Recorded(torch.utils.data.Dataset):
     """Notes which samples were read, in order (no loader workers: they are read in this process)."""
 
