@@ -90,3 +90,43 @@ def spawn(fn, world_size: int = 2, *args, timeout: float = 90.0) -> list:
     if errors:
         raise RuntimeError("\n".join(f"rank {r}: {v}" for r, v in sorted(errors.items())))
     return [results[r][1] for r in range(world_size)]
+
+
+def _script_entry(module, argv, cwd, env, out):
+    """Run `module`.main(argv) as `python module.py argv` would: its own start method, cwd, environment and
+    output file (stdout and stderr together), its exit code the process's."""
+    import importlib
+    import sys
+    mp.set_start_method("fork", force=True)  # a script's default here; a forkserver child has the server's
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = [f"{module}.py", *argv]
+    try:
+        code = importlib.import_module(module).main(argv)
+    except SystemExit as exc:  # argparse's errors
+        code = exc.code if isinstance(exc.code, int) else 1
+    import ddp_runtime
+    ddp_runtime.exit_process(code)
+
+
+def run_script_forked(module: str, argv: list, cwd, env: dict, timeout: float = 60.0) -> tuple:
+    """(exit code, output) of `python module.py argv`, forked from the preloaded server: the same main() as
+    the script, without importing torch again (about 2 s a run here). For checks of what a run says at
+    start-up; a run that trains belongs in a real subprocess."""
+    _start_server()
+    out = Path(cwd) / f".{module}.out"
+    proc = _CTX.Process(target=_script_entry, args=(module, [str(a) for a in argv], str(cwd), env, str(out)))
+    proc.start()
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(10)
+        raise RuntimeError(f"{module}.py {argv} did not exit within {timeout}s: {out.read_text()[-2000:]}")
+    text = out.read_text()
+    out.unlink()
+    return proc.exitcode, text

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from conftest import REPO, background, clean_env, make_vj2_data, metrics, run, torchrun, torchrun_workers, wait_for_step
-from dist_helpers import free_ports, spawn
+from dist_helpers import free_ports, run_script_forked, spawn
 
 import ddp_runtime as rt
 from ddp_training import CausalLM, DDPTrainer, TrainConfig, build_arg_parser, config_from_args
@@ -641,6 +641,11 @@ def test_cli_precedence_defaults_yaml_flags(tmp_path):
     assert cfg["bucket_cap_mb"] == 4.0
 
 
+# Run as real scripts: one refused by argparse, one by the config check, one by a rank's set-up under --nproc.
+# The rest are forked from a server that has imported torch (the same main(), 2 s less each).
+SCRIPT_RUN_CASES = (["--no_such_flag", "1"], ["--max_steps", "-3"], ["--cpu", "--nproc", "2", "--data", "missing.txt"])
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--no_such_flag", "1"], "unrecognized arguments: --no_such_flag"),
     (["--batch_size", "abc"], "argument --batch_size/--batch-size: invalid"),
@@ -690,11 +695,15 @@ def test_cli_bad_input_exits_2_with_a_clear_message(tmp_path, argv, message):
     argv = [a.replace("{yaml}", str(tmp_path / "bad.yaml")) for a in argv]
     if "--tensorboard" in argv and importlib.util.find_spec("tensorboard"):
         pytest.skip("tensorboard is installed here")
-    r = run([sys.executable, REPO / "ddp_training.py", *argv], cwd=tmp_path, timeout=60,
-            env=clean_env(CUDA_VISIBLE_DEVICES=""))
-    assert r.returncode == 2 and message in r.stdout, r.stdout
+    env = clean_env(CUDA_VISIBLE_DEVICES="")
+    if argv in SCRIPT_RUN_CASES:
+        r = run([sys.executable, REPO / "ddp_training.py", *argv], cwd=tmp_path, timeout=60, env=env)
+        code, out = r.returncode, r.stdout
+    else:
+        code, out = run_script_forked("ddp_training", argv, tmp_path, env)
+    assert code == 2 and message in out, out
     assert not list(tmp_path.rglob("FAILED_rank_*")), "bad input is no failed run"
-    assert "Traceback" not in r.stdout and r.stdout.count("error:") == 1, r.stdout  # one line, from rank 0
+    assert "Traceback" not in out and out.count("error:") == 1, out  # one line, from rank 0
 
 
 def _rank_1_refuses(rank, world_size, cfg, requested):
