@@ -668,12 +668,42 @@ def loss_terms(out) -> tuple:
     return out[0].reshape(()), number(out[1], "count"), extras
 
 
+def _size(dataset) -> Optional[int]:
+    """len(dataset), or None for none or a stream."""
+    try:
+        return None if dataset is None else len(dataset)
+    except TypeError:
+        return None
+
+
+def _by_value(every: list, key: str) -> str:
+    """"key: ranks 0-2 have A, rank 3 has B" from every rank's dict."""
+    ranks: dict = {}
+    for r, e in enumerate(every):
+        ranks.setdefault(repr(e[key])[:40], []).append(r)
+    return f"{key}: " + ", ".join(f"rank{'s' if len(rs) > 1 else ''} {_spans(rs)} {v}" for v, rs in ranks.items())
+
+
+def _spans(ranks: list) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    out, start = [], ranks[0]
+    for a, b in zip(ranks, ranks[1:] + [None]):
+        if b != a + 1:
+            out.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return ",".join(out)
+
+
 class RunDirInUse(ValueError):
     """The run dirs are locked by another run (or another trainer in this process)."""
 
 
 class StateMismatch(ValueError):
     """A resumable state of a run with another world size, batch size, seed, ..."""
+
+
+class DataMismatch(ValueError):
+    """The ranks were given different data: other sizes, or other contents under one size."""
 
 
 class StepFailed(RuntimeError):
@@ -931,6 +961,7 @@ class DDPTrainer:
         if train_dataset is None:
             raise ValueError("a custom model needs train_dataset=")
         self.train_dataset = train_dataset  # the loader may wrap it (per-sample seeds in workers)
+        self._check_ranks_have_the_same_data(train_dataset, val_dataset, test_dataset)
         self._set_loss(loss_fn, count_unit, builtin_data)
         self.checkpoint_extra = checkpoint_extra or {}
         self.weights_key = weights_key
@@ -967,6 +998,23 @@ class DDPTrainer:
                       cfg.batch_size * cfg.grad_accum_steps * env.world_size,
                       cfg.batch_size, cfg.grad_accum_steps, env.world_size)
         self.resumed_from = self._resume()  # last: it restores the RNG streams set-up consumed
+
+    def _check_ranks_have_the_same_data(self, train_dataset, val_dataset, test_dataset) -> None:
+        """Each rank reads its own copy of the data (a node-local copy, a file skipped as bad on one rank only,
+        a copy still being written): ranks whose sets differ in size take other step and batch counts and wait
+        in collectives the others never reach, and ranks whose contents differ train on other samples than the
+        sampler meant. Refused here on every rank. Under dispatch rank 0 alone reads the training set."""
+        if not self.env.is_distributed:
+            return
+        sizes = {"validation samples": _size(val_dataset), "test samples": _size(test_dataset)}
+        if self.cfg.data_strategy == "shard":
+            sizes = {"training samples": _size(train_dataset), **sizes,
+                     "training data fingerprint": self.data_fingerprint}
+        every = rt.gather_objects(sizes)
+        differ = [k for k in sizes if any(e[k] != every[0][k] for e in every)]
+        if differ:
+            raise DataMismatch(f"the ranks were given different data: {'; '.join(_by_value(every, k) for k in differ)}. "
+                               f"Each rank reads its own copy: give every rank the same files")
 
     def _builtin_lm(self) -> tuple:
         """The default: a CausalLM and its data (synthetic, or cfg.data); (model, (train, val, test))."""

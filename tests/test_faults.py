@@ -179,6 +179,38 @@ def test_an_extra_metric_on_one_rank_only_is_named_on_every_rank(tmp_path):
         assert r["seconds"] < 30
 
 
+def _own_copy(rank, world_size, root, configs):
+    """A rank whose copy of the data differs: its own config (dataset_size, data)."""
+    try:
+        DDPTrainer(rank=rank, world_size=world_size, config=cfg_for(root, **configs[rank]))
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "built"
+
+
+def test_ranks_given_other_sizes_of_data_are_refused_at_set_up(tmp_path):
+    # a rank that skipped a bad file of its copy: 192 training windows against 256 (and as many held out)
+    r0, r1 = spawn(_own_copy, 2, str(tmp_path), [{}, {"dataset_size": 192}], timeout=60)
+    assert r0 == r1, (r0, r1)
+    assert r0.startswith("DataMismatch: the ranks were given different data: training samples: rank 0 256, "
+                         "rank 1 192; training data fingerprint: rank 0 "), r0
+    assert r0.endswith("Each rank reads its own copy: give every rank the same files"), r0
+
+
+def test_ranks_given_other_contents_of_one_size_are_refused_at_set_up(tmp_path):
+    text = bytes(range(32, 127)) * 40
+    (tmp_path / "a.txt").write_bytes(text)
+    (tmp_path / "b.txt").write_bytes(text[:2000] + b"#" + text[2001:])  # one byte differs, in the training part
+    configs = [{"data": str(tmp_path / name), "seq_len": 16, "vocab_size": 256} for name in ("a.txt", "b.txt")]
+    r0, r1 = spawn(_own_copy, 2, str(tmp_path), configs, timeout=60)
+    assert r0 == r1, (r0, r1)
+    assert re.fullmatch(r"DataMismatch: the ranks were given different data: training data fingerprint: "
+                        r"rank 0 '\S+', rank 1 '\S+'\. Each rank reads its own copy: give every rank the same files",
+                        r0), r0
+    # the same copy on both: built
+    assert spawn(_own_copy, 2, str(tmp_path), configs[:1] * 2, timeout=60) == ["built", "built"]
+
+
 def test_infinite_gradient_with_a_finite_loss_on_one_rank_skips_the_step_everywhere(tmp_path):
     # the losses are finite everywhere: only the gradients (averaged by DDP, so infinite on every rank) flag the step
     r0, r1 = spawn(_run, 2, str(tmp_path), 1, 3, "inf_gradient")
