@@ -1764,7 +1764,7 @@ class DDPTrainer:
         extra = {f"val_{k}": v for k, v in res.items() if k not in ("loss", "count")}
         self.write_metrics({"type": "val", "step": self.global_step, "epoch": self.epoch,
                             "steps_per_epoch": self.known_steps_per_epoch,
-                            "val_loss": res["loss"], **extra, "time": time.time() - self.t0,
+                            "val_loss": res["loss"], **extra, "time": time.monotonic() - self.t0,
                             **({"loss_floor": self.data_info["loss_floor"]} if "loss_floor" in self.data_info
                                else {})})
         floor = self.data_info.get("loss_floor", self.data_info.get("unigram_entropy"))
@@ -1902,7 +1902,7 @@ class DDPTrainer:
         self._metrics_file = open(self.metrics_path, "a")
 
     def _loop(self, stop_signal: rt.StopSignal) -> str:
-        self.t0 = time.time()
+        self.t0 = time.monotonic()
         self.samples_seen = 0
         self._bar = self._progress_bar()
         self._log_window = (time.time(), 0)  # since the last periodic log line: (start, steps)
@@ -2111,7 +2111,7 @@ class DDPTrainer:
                   **r["extras"], "lr": r["lr"],
                   "grad_norm": r["grad_norm"],
                   "samples_per_s": global_batch / step_time, f"{self.count_unit}_per_s": count / step_time,
-                  "skipped": r["skipped"], "time": time.time() - self.t0}
+                  "skipped": r["skipped"], "time": time.monotonic() - self.t0}
         mem = self.memory.on_step(self.global_step)
         if mem:
             record.update(mem)
@@ -2208,7 +2208,7 @@ class DDPTrainer:
                 self.save_state()
         self.writer.flush()
         test = self.evaluate(self.test_loader) if self.test_loader is not None and status != "interrupted" else None
-        wall = time.time() - self.t0
+        wall = time.monotonic() - self.t0
         memory = self.memory.stats()
         summary = {"status": status, "steps": self.global_step,
                    "resumed_from": None if self.resumed_from is None else str(self.resumed_from), "epochs": self.epoch,

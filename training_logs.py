@@ -177,14 +177,16 @@ def add_elapsed(records: list) -> tuple:
     """Give every record "_elapsed": its "time" made continuous across sessions. Returns the number of
     sessions and the time of all but the last, added up.
 
-    "time" counts from the start of the session's training loop, so it falls back to ~0 when a resumed run
-    starts. That is the only trace of a session in metrics.jsonl: the trainer drops the interrupted
-    session's summary record when it resumes. A session shorter than the next one's first step cannot be
-    told apart from it and is counted as part of it.
+    "time" counts from the start of the session's training loop (a monotonic clock), so it falls back to ~0
+    when a resumed run starts. That is the only trace of a session in metrics.jsonl: the trainer drops the
+    interrupted session's summary record when it resumes. A summary's wall_time_s counts from the same
+    start, so a summary shorter than the records before it is a session of its own that logged nothing
+    else (a relaunch that had nothing left to train). A session shorter than the next one's first step
+    cannot be told apart from it and is counted as part of it.
     """
     sessions, offset, prev = 1, 0.0, 0.0
     for rec in records:
-        t = rec.get("time")
+        t = rec.get("wall_time_s" if rec["type"] == "summary" else "time")
         if not isinstance(t, (int, float)):
             continue
         if t + offset < prev:
@@ -352,14 +354,15 @@ def summarize(run: Run) -> dict:
     steps = s.get("steps", max((r.get("step", 0) for r in run.train), default=0))
     world = world_size(run)
     seconds = total_time(run)
-    rates = _finite(r.get("samples_per_s") for r in run.train)
+    rates = [r for r in _finite(r.get("samples_per_s") for r in run.train) if r > 0]
     mfus = _finite(r.get("mfu") for r in run.train)
     if run.sessions == 1 and s.get("samples_per_s") is not None:
         rate = s["samples_per_s"]  # the trainer's own count over this one session
     elif isinstance(s.get("global_batch"), int) and seconds:
         rate = steps * s["global_batch"] / seconds
-    else:  # still running: the mean per-step rate, which leaves out validation and checkpoints
-        rate = sum(rates) / len(rates) if rates else None
+    else:  # still running: the steps' samples over their time (so the harmonic mean of their rates, the
+        # global batch being fixed), which leaves out validation and checkpoints
+        rate = statistics.harmonic_mean(rates) if rates else None
     return {
         "name": run.name,
         "status": s.get("status", "incomplete"),
@@ -675,7 +678,10 @@ def main(argv=None) -> int:
         if not Path(args.output).suffix:  # what matplotlib would write: name.png
             args.output += ".png"
         check_format(args.output)
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise LogError(f"--output {args.output}: cannot write there ({type(exc).__name__}: {exc})") from None
         if args.metrics:
             metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
             if not metrics:
@@ -687,6 +693,9 @@ def main(argv=None) -> int:
         return 0
     except LogError as exc:
         print(f"training_logs.py: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # an unreadable metrics file, an image that cannot be written: the error names the path
+        print(f"training_logs.py: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
 
 

@@ -130,9 +130,9 @@ def test_incomplete_run_is_summarised_from_its_records(runs, tmp_path, capsys):
     assert row["steps"] == train[-1]["step"] < 20
     assert row["final_val_loss"] == vals[-1] and row["best_val_loss"] == min(vals)
     assert row["total_time_s"] == pytest.approx(max(r["time"] for r in train + metrics(d, "val")))
-    # without a summary (which states the global batch): the mean of the steps' rates
+    # without a summary (which states the global batch): the steps' samples over their time
     rates = [r["samples_per_s"] for r in train]
-    assert row["avg_samples_per_s"] == pytest.approx(sum(rates) / len(rates))
+    assert row["avg_samples_per_s"] == pytest.approx(len(rates) / sum(1 / r for r in rates))
     assert row["world_size"] == 1  # from rank_0.log
     assert row["test_loss"] is None
 
@@ -397,6 +397,32 @@ def test_summary_of_a_resumed_run_totals_its_sessions(tmp_path, capsys):
     assert "11.5 s over 2 sessions" in capsys.readouterr().out
 
 
+def test_a_relaunch_that_only_wrote_its_summary_is_a_session_of_its_own(tmp_path):
+    """An early-stopped run relaunched with more max_steps stops again at once: its session writes only a
+    summary (wall_time_s 0.05, samples_per_s 0.0). Its time was taken for the whole run's (0.05 s,
+    0 samples/s), and, after a resumed session, it stood in for that session (whose time was lost)."""
+    recs = train_recs([1, 2], spe=4) + [{"type": "val", "step": 2, "epoch": 0, "val_loss": 1.4, "time": 2.5}]
+    stop = {"type": "summary", "status": "early_stopped", "steps": 2, "resumed_from": "ckpt/state_2.pt",
+            "wall_time_s": 0.05, "samples_per_s": 0.0, "world_size": 1, "global_batch": 8}
+    row = tl.summarize(tl.load_run(write_run(tmp_path / "a", recs + [stop])))
+    assert row["sessions"] == 2 and row["total_time_s"] == pytest.approx(2.55)
+    assert row["avg_samples_per_s"] == pytest.approx(2 * 8 / 2.55)
+
+    recs = train_recs([1, 2], spe=4, dt=10.0) + train_recs([3, 4], spe=4, dt=10.0)  # 20 s, resumed, 20 s
+    done = {**stop, "status": "completed", "steps": 4, "wall_time_s": 5.0}
+    row = tl.summarize(tl.load_run(write_run(tmp_path / "b", recs + [done])))
+    assert row["sessions"] == 3 and row["total_time_s"] == pytest.approx(45.0)
+    assert row["avg_samples_per_s"] == pytest.approx(4 * 8 / 45.0)
+
+
+def test_the_rate_of_a_running_run_is_its_samples_over_its_steps_time(tmp_path):
+    # two steps of 0.08 s and two of 0.32 s, 8 samples each: 32 samples in 0.8 s (the mean of the rates: 62.5)
+    recs = train_recs([1, 2, 3, 4], spe=10)
+    for rec, rate in zip(recs, (100.0, 25.0, 100.0, 25.0)):
+        rec["samples_per_s"] = rate
+    assert tl.summarize(tl.load_run(write_run(tmp_path / "a", recs)))["avg_samples_per_s"] == pytest.approx(40.0)
+
+
 def test_summary_reports_the_median_mfu_of_cuda_runs(tmp_path, capsys):
     """A CUDA run's train records carry mfu: the summary's mfu column is their median; a CPU run's is empty."""
     recs = train_recs(range(1, 6), spe=100)
@@ -536,3 +562,14 @@ def test_a_flag_is_no_metric_and_an_unknown_image_format_is_refused(runs, tmp_pa
     assert tl.main(["plot", str(runs / "lr_3e-3"), "--output", str(tmp_path / "out.xyz")]) == 2
     assert "matplotlib cannot write '.xyz' files; use one of" in capsys.readouterr().err
     assert not (tmp_path / "out.xyz").exists()
+
+
+def test_an_output_that_cannot_be_written_is_a_clear_error(runs, tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "curves.png"  # below a file: no directory can be made there
+    assert tl.main(["plot", str(runs / "lr_3e-3"), "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"training_logs.py: error: --output {out}: cannot write there (") and "Traceback" not in err
+    (tmp_path / "dir.png").mkdir()  # savefig's own open fails: a directory where the image goes
+    assert tl.main(["plot", str(runs / "lr_3e-3"), "--output", str(tmp_path / "dir.png")]) == 2
+    assert capsys.readouterr().err.startswith("training_logs.py: error: IsADirectoryError: ")
