@@ -46,6 +46,7 @@ CHUNK_ELEMENTS = 1 << 24
 SPLITS = ("train", "val")
 # the command-line flag that names each split's directory, for error messages
 OUTPUT_FLAGS = {"train": "--output_dir", "val": "--val_output_dir"}
+DTYPES = ("float16", "float32")  # what the loader reads
 
 # -----------------------------------------------------------------------------------------------------------------
 # the encoder
@@ -193,6 +194,18 @@ def write_file(path, world, rng, n, steps, actions_per_step, channels, dtype, co
     return emb_shape, actions.shape
 
 
+def check_counts(num_files, trajectories_per_file, seed, world_seed, dtype):
+    """What the loader would refuse, or numpy's seeding: refused before anything is written."""
+    for flag, value in (("num_files", num_files), ("trajectories_per_file", trajectories_per_file)):
+        if value < 1:
+            raise ValueError(f"--{flag} must be >= 1, got {value}")
+    for flag, value in (("seed", seed), ("world_seed", world_seed)):
+        if value < 0:
+            raise ValueError(f"--{flag} must be >= 0, got {value}")
+    if str(dtype) not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+
+
 def check_geometry(steps, patches, embed_dim, actions_per_step, channels):
     if steps < 2:
         raise ValueError(f"--num_steps must be >= 2 (actions live between steps), got {steps}")
@@ -236,6 +249,7 @@ def generate(output_dir, num_files=3, trajectories_per_file=10, seed=0,
     also states [N, T, STATE_DIM] float32 (the hidden state, for probing; the loader ignores it).
     Extra action channels beyond [x, y, touch] are zero.
     """
+    check_counts(num_files, trajectories_per_file, seed, world_seed, dtype)
     check_geometry(steps, patches, embed_dim, actions_per_step, channels)
     world = World(patches, embed_dim, world_seed)
     check_noise(noise, dtype, world)
@@ -304,7 +318,7 @@ def parse_args(argv=None):
     p.add_argument("--real_shapes", action="store_true",
                    help=f"real geometry T={config.NUM_STEPS} P={config.PATCHES_PER_STEP} D={config.EMBED_DIM} "
                         f"A={config.ACTIONS_PER_STEP} C={config.ACTION_CHANNELS} (explicit flags still win)")
-    p.add_argument("--dtype", choices=["float16", "float32"], default="float16", help="dtype of embeddings")
+    p.add_argument("--dtype", choices=DTYPES, default="float16", help="dtype of embeddings")
     p.add_argument("--compress", action="store_true", help="np.savez_compressed layout (deflate)")
     p.add_argument("--noise", type=float, default=config.SYNTHETIC_NOISE, help="std of token noise")
     p.add_argument("--save_states", action="store_true", help="also store the hidden states (key 'states')")
@@ -312,9 +326,10 @@ def parse_args(argv=None):
                    help="also write a validation set of this size relative to the training set")
     p.add_argument("--val_output_dir", help="where the validation set goes (default <output_dir>_val)")
     args = p.parse_args(argv)
-    for flag in ("num_files", "trajectories_per_file"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    try:
+        check_counts(args.num_files, args.trajectories_per_file, args.seed, args.world_seed, args.dtype)
+    except ValueError as exc:
+        p.error(str(exc))
     for flag in ("noise", "val_fraction"):
         if not math.isfinite(getattr(args, flag)):  # nan passes every comparison check below
             p.error(f"--{flag} must be a finite number, got {getattr(args, flag)}")
@@ -322,6 +337,9 @@ def parse_args(argv=None):
             p.error(f"--{flag} must be >= 0, got {getattr(args, flag)}")
     if args.val_fraction > 1:
         p.error(f"--val_fraction must be in [0, 1], got {args.val_fraction}")
+    if args.val_output_dir and not args.val_fraction:
+        p.error(f"--val_output_dir {args.val_output_dir} without --val_fraction: no validation set is written; "
+                f"expected --val_fraction > 0 (the share of the training set to write there)")
     try:
         check_geometry(*resolve_geometry(args).values())
     except ValueError as exc:

@@ -124,6 +124,7 @@ def validate_npz(path, max_ratio=MAX_COMPRESSION_RATIO, max_bytes=MAX_ARRAY_BYTE
     """
     path = Path(path)
     check_zip_magic(path)
+    key = None  # the array being read, named in an error from a damaged stream
     try:
         with np.load(path, allow_pickle=False) as npz:
             missing = [k for k in KEYS if k not in npz.files]
@@ -131,14 +132,18 @@ def validate_npz(path, max_ratio=MAX_COMPRESSION_RATIO, max_bytes=MAX_ARRAY_BYTE
                 raise DataFileError(f"{path}: missing key '{missing[0]}' (found keys: {sorted(npz.files)}); "
                                     f"expected 'embeddings' {LAYOUTS['embeddings']} and "
                                     f"'actions' {LAYOUTS['actions']}")
-            members = {k: read_member(path, npz.zip, k, max_ratio, max_bytes) for k in KEYS}
+            members = {}
+            for key in KEYS:
+                members[key] = read_member(path, npz.zip, key, max_ratio, max_bytes)
+            key = None
             check_shapes(path, members["embeddings"].shape, members["actions"].shape)
             for key, member in members.items():
                 scan_values(path, npz.zip, key, member)
     except DataFileError:
         raise
     except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, NotImplementedError) as e:
-        raise DataFileError(f"{path}: not a readable .npz archive ({type(e).__name__}: {e})") from e
+        where = f" (key '{key}')" if key else ""
+        raise DataFileError(f"{path}: not a readable .npz archive{where} ({type(e).__name__}: {e})") from e
     return FileInfo(path, members)
 
 

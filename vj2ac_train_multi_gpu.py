@@ -15,8 +15,8 @@ plus L1 over an autoregressive rollout of --rollout_horizon steps, on layer-norm
         [--shuffle_actions]
 
 Checkpoints (rank 0, weights only): checkpoint_dir/vjepa2_{best,step_N,epoch_N,interrupted,final}.pt, each
-holding `predictor`, `global_step`, `predictor_config`, `rollout_horizon`, and `val_loss` when a validation
-ran at that step.
+holding `predictor`, `global_step`, `predictor_config`, `rollout_horizon`, `data_geometry` (T, P, D, A, C of the
+training data), and `val_loss` when a validation ran at that step.
 """
 
 import json
@@ -254,8 +254,14 @@ def predictor_for(geometry, args):
                        predictor_dim=args.predictor_dim, depth=args.depth, num_heads=args.num_heads)
 
 
-def check_fits(predictor, geometry, flag):
+def check_fits(predictor, geometry, flag, trained_on=None):
+    """The data must fit the predictor's shapes, and where the checkpoint says what it trained on, have the
+    same layout: the predictor sees an action step as one vector of A*C values, so 5 x 6 actions would pass
+    for 10 x 3 and be read scrambled."""
     T, P, D, A, C = geometry
+    if trained_on is not None and tuple(trained_on[1:]) != (P, D, A, C):
+        raise BadInput(f"{flag}: data geometry {geometry} differs from the training data's "
+                       f"{type(geometry)(*trained_on)} in P, D, A or C")
     cfg = predictor.config
     if (cfg["embed_dim"], cfg["num_patches"], cfg["action_dim"]) != (D, P, A * C) or T - 1 > cfg["max_steps"]:
         raise BadInput(f"{flag}: data geometry {geometry} does not fit the predictor (embed_dim={cfg['embed_dim']}, "
@@ -434,7 +440,8 @@ def _set_up(args, launch, cfg, log):
                              config=cfg, model=predictor, train_dataset=train_set, val_dataset=val_set,
                              loss_fn=partial(vj2_loss, rollout_horizon=args.rollout_horizon),
                              checkpoint_extra={"predictor_config": predictor.config,
-                                               "rollout_horizon": args.rollout_horizon}, weights_key="predictor",
+                                               "rollout_horizon": args.rollout_horizon,
+                                               "data_geometry": list(train_set.geometry)}, weights_key="predictor",
                              count_unit="samples", describe=describe, data_fingerprint=train_set.fingerprint(),
                              resume_must_match={"predictor": predictor.config,
                                                 "rollout_horizon": args.rollout_horizon,
@@ -451,7 +458,8 @@ def _set_up(args, launch, cfg, log):
 
 
 def load_predictor(path):
-    """The predictor and the rollout horizon it trained with (None from checkpoints that predate saving it)."""
+    """The predictor, the rollout horizon it trained with and its training data's geometry (each None from
+    checkpoints that predate saving it)."""
     try:
         ckpt = rt.load_checkpoint(path)  # weights_only=True, checks the .sha256 sidecar
         if "predictor_config" not in ckpt and {"optimizer", "counters"} <= set(ckpt):
@@ -462,18 +470,22 @@ def load_predictor(path):
         horizon = ckpt.get("rollout_horizon")
         if horizon is not None and (isinstance(horizon, bool) or not isinstance(horizon, int) or horizon < 1):
             raise ValueError(f"rollout_horizon must be an integer >= 1, got {horizon!r}")
+        geometry = ckpt.get("data_geometry")
+        if geometry is not None and (not isinstance(geometry, list) or len(geometry) != 5 or
+                                     not all(isinstance(g, int) and not isinstance(g, bool) for g in geometry)):
+            raise ValueError(f"data_geometry must be a list of 5 integers (T, P, D, A, C), got {geometry!r}")
     except (rt.CheckpointError, KeyError, TypeError, ValueError, ArithmeticError, RuntimeError) as exc:
         raise BadInput(f"--evaluate {path}: not a usable predictor checkpoint "
                        f"({type(exc).__name__}: {exc})") from exc
-    return predictor, horizon
+    return predictor, horizon, geometry
 
 
 def evaluate(args, launch):
-    predictor, trained_horizon = load_predictor(args.evaluate)
+    predictor, trained_horizon, trained_geometry = load_predictor(args.evaluate)
     # the loss the run validated with, unless the command line asks for another
     args.rollout_horizon = args.rollout_horizon or trained_horizon or config.ROLLOUT_HORIZON
     val_set = load_dataset("--validation_data_dir", args.validation_data_dir, args)
-    check_fits(predictor, val_set.geometry, "--validation_data_dir")
+    check_fits(predictor, val_set.geometry, "--validation_data_dir", trained_geometry)
     if args.shuffle_actions:
         val_set = ShuffledActions(val_set, args.seed)
     env = rt.setup_distributed(launch["rank"], launch["world_size"], launch["local_rank"], args.dist_backend,

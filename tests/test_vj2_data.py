@@ -4,6 +4,7 @@ import io
 import logging
 import pickle
 import re
+import struct
 import sys
 import warnings
 import zipfile
@@ -82,11 +83,28 @@ def test_cli_current_dir_bad_flags_and_leftover_files(tmp_path, monkeypatch, cap
     (["--val_fraction", "nan"], "--val_fraction must be a finite number, got nan"),
     (["--val_fraction", "inf"], "--val_fraction must be a finite number, got inf"),
     (["--val_fraction", "1.5"], "--val_fraction must be in [0, 1], got 1.5"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),  # was numpy's "expected non-negative integer", after mkdir
+    (["--world_seed", "-2"], "--world_seed must be >= 0, got -2"),
+    # was ignored: exit 0 and no validation set
+    (["--val_output_dir", "v"], "--val_output_dir v without --val_fraction: no validation set is written"),
 ])
 def test_cli_refuses_non_finite_and_out_of_range_float_flags(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exc:
         gen.main(["--output_dir", str(tmp_path / "out"), *argv])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(dtype="float64"), "--dtype must be one of float16, float32, got float64"),
+    (dict(trajectories_per_file=0), "--trajectories_per_file must be >= 1, got 0"),
+    (dict(num_files=0), "--num_files must be >= 1, got 0"),
+    (dict(seed=-1), "--seed must be >= 0, got -1"),
+])
+def test_generate_refuses_what_the_loader_would_before_writing(tmp_path, change, message):
+    # the command line checked these and generate() did not: it wrote files the loader then refused
+    with pytest.raises(ValueError, match=re.escape(message)):
+        gen.generate(tmp_path / "out", **{"num_files": 1, "trajectories_per_file": 2, **change})
     assert not (tmp_path / "out").exists()
 
 
@@ -380,6 +398,17 @@ def write_truncated(p):
     p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
 
 
+def write_corrupt_stream(p):
+    # the embeddings' deflate stream damaged at its start: zlib's error ("invalid block type") named no key
+    np.savez_compressed(p, embeddings=good()[0], actions=good()[1])
+    data = bytearray(p.read_bytes())
+    info = zipfile.ZipFile(p).getinfo("embeddings.npy")
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26:info.header_offset + 30])
+    start = info.header_offset + 30 + name_len + extra_len
+    data[start:start + 8] = b"\xff" * 8
+    p.write_bytes(bytes(data))
+
+
 def write_missing_key(p):
     np.savez(p, embeddings=good()[0])
 
@@ -462,6 +491,8 @@ def write_bomb_header(p):
 BAD_FILES = {
     "not_zip": (write_not_zip, ["not a zip archive"]),
     "truncated": (write_truncated, ["not a readable .npz archive"]),
+    "corrupt_stream": (write_corrupt_stream, ["not a readable .npz archive (key 'embeddings') (error: Error -3 "
+                                              "while decompressing data"]),
     "missing_key": (write_missing_key, ["missing key 'actions'", "found keys: ['embeddings']"]),
     "wrong_ndim": (write_wrong_ndim, ["key 'embeddings'", "(3-D)", "expected 4-D [N, T, P, D]"]),
     "n_mismatch": (write_n_mismatch, ["key 'actions'", "N=2", "N=3", "expected the same N"]),

@@ -290,8 +290,10 @@ def test_checkpoints_names_cadence_and_contents(trained):
         # weights, step, the predictor's shape and loss, and the val loss of these very weights (validations
         # every 25 steps: none at the epoch ends); no optimizer or scheduler state
         validated = {"val_loss"} if step in vals else set()
-        assert set(ckpt) == {"predictor", "global_step", "predictor_config", "rollout_horizon", *validated}, tag
+        assert set(ckpt) == {"predictor", "global_step", "predictor_config", "rollout_horizon", "data_geometry",
+                             *validated}, tag
         assert ckpt["global_step"] == step and ckpt["rollout_horizon"] == 2, tag
+        assert ckpt["data_geometry"] == [T, P, D, A, C], tag
         assert not any(k.startswith("module.") for k in ckpt["predictor"])
         if validated:
             assert ckpt["val_loss"] == pytest.approx(vals[step]), (tag, ckpt["val_loss"], vals[step])
@@ -456,6 +458,27 @@ def test_a_training_file_under_another_name_is_refused_as_validation_data(tmp_pa
     assert "--processed_data_dir train and --validation_data_dir val share 1 .npz files" in err
     assert f"(e.g. train/train_00001.npz and val/val_00001.npz: {reason})" in err
     assert not (tmp_path / "ckpt" / "vjepa2_final.pt").exists()
+
+
+def test_evaluate_refuses_data_whose_action_layout_differs_from_the_training_data(tmp_path, no_launch_env, capsys):
+    """5 x 6 actions per step fill the predictor's A*C=30 inputs as 10 x 3 do: accepted, and scored on
+    scrambled actions, before the checkpoint said what it trained on."""
+    gen.generate(tmp_path / "val", num_files=1, trajectories_per_file=4, steps=T, patches=P, embed_dim=D,
+                 actions_per_step=5, channels=6)
+    model = tiny_predictor()
+    path = tmp_path / "p.pt"
+    saved = {"predictor": model.state_dict(), "global_step": 1, "predictor_config": model.config}
+    data = ["--validation_data_dir", str(tmp_path / "val"), "--device", "cpu"]
+    torch.save({**saved, "data_geometry": [T, P, D, A, C]}, path)
+    assert vj2.main(["--evaluate", str(path), *data]) == 2
+    assert capsys.readouterr().err == (f"error: --validation_data_dir: data geometry T={T} P={P} D={D} A=5 C=6 "
+                                       f"differs from the training data's T={T} P={P} D={D} A={A} C={C} in P, D, A "
+                                       f"or C\n")
+    torch.save(saved, path)  # a checkpoint from before data_geometry: shapes only, as then
+    assert vj2.main(["--evaluate", str(path), *data]) == 0
+    torch.save({**saved, "data_geometry": [T, P, D, 5]}, path)
+    assert vj2.main(["--evaluate", str(path), *data]) == 2
+    assert "data_geometry must be a list of 5 integers (T, P, D, A, C), got [4, 16, 32, 5]" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("change, message", [
