@@ -42,11 +42,12 @@ from typing import Optional
 METRICS_FILE = "metrics.jsonl"
 # Keys of train/val records that are coordinates or labels, not metrics to plot.
 NOT_METRICS = {"type", "step", "epoch", "time", "steps_per_epoch"}
-# The memory peaks a trainer logs; "peak memory" is the largest of them (its anonymous-memory peak,
-# cpu_peak_anon_gb, is part of the RSS one, never larger).
-PEAK_KEYS = ("cpu_peak_rss_gb", "peak_rss_gb", "cuda_peak_gb")
+# The memory peaks a trainer logs, by where the memory is: a GPU run's host peak (torch's and CUDA's
+# libraries, the loader) says nothing of its GPU memory. The anonymous-memory peak, cpu_peak_anon_gb, is
+# part of the RSS one, never larger.
+PEAK_KEYS = {"peak_host_gb": ("cpu_peak_rss_gb", "peak_rss_gb"), "peak_gpu_gb": ("cuda_peak_gb",)}
 SUMMARY_FIELDS = ("name", "status", "steps", "sessions", "final_val_loss", "best_val_loss", "test_loss",
-                  "total_time_s", "avg_samples_per_s", "mfu", "world_size", "peak_mem_gb")
+                  "total_time_s", "avg_samples_per_s", "mfu", "world_size", *PEAK_KEYS)
 NO_RECORDS = "no records yet"
 
 
@@ -350,7 +351,7 @@ def summarize(run: Run) -> dict:
     s = run.summary or {}
     vals = _finite(r.get("val_loss") for r in run.val)
     everything = run.train + run.val + ([s] if s else [])
-    peaks = _finite(r.get(k) for r in everything for k in PEAK_KEYS)
+    peaks = {field: _finite(r.get(k) for r in everything for k in keys) for field, keys in PEAK_KEYS.items()}
     steps = s.get("steps", max((r.get("step", 0) for r in run.train), default=0))
     world = world_size(run)
     seconds = total_time(run)
@@ -376,7 +377,7 @@ def summarize(run: Run) -> dict:
         "avg_samples_per_s": rate,
         "mfu": statistics.median(mfus) if mfus else None,
         "world_size": world,
-        "peak_mem_gb": max(peaks) if peaks else None,
+        **{field: max(values) if values else None for field, values in peaks.items()},
     }
 
 
@@ -386,7 +387,7 @@ def _fmt(key: str, v) -> str:
     if isinstance(v, float):
         if key.endswith("loss"):
             return f"{v:.4f}"
-        if key == "peak_mem_gb":
+        if key in PEAK_KEYS:
             return f"{v:.2f}"
         if key == "mfu":
             return f"{v:.3f}"
@@ -420,7 +421,8 @@ def format_summaries(rows: list, fmt: str = "one-line") -> str:
                          f"{f['sessions']} session{'s' if r['sessions'] != 1 else ''}, "
                          f"{f['avg_samples_per_s']} samples/s"
                          + (f", MFU {f['mfu']}" if r["mfu"] is not None else "")
-                         + f", world {f['world_size']}, peak {f['peak_mem_gb']} GB")
+                         + f", world {f['world_size']}, peak {f['peak_host_gb']} GB host"
+                         + (f", {f['peak_gpu_gb']} GB GPU" if r["peak_gpu_gb"] is not None else ""))
         return "\n".join(lines)
     if fmt == "table":
         cells = [[_fmt(k, r[k]) for k in SUMMARY_FIELDS] for r in rows]

@@ -76,7 +76,7 @@ def test_summary_json_has_the_runs_values(runs, capsys):
         assert row["sessions"] == 1
         assert row["total_time_s"] == s["wall_time_s"] and row["avg_samples_per_s"] == s["samples_per_s"]
         assert row["world_size"] == 1
-        assert row["peak_mem_gb"] >= s["peak_rss_gb"] > 0
+        assert row["peak_host_gb"] >= s["peak_rss_gb"] > 0 and row["peak_gpu_gb"] is None
     # the two learning rates really made two different runs
     assert rows[0]["final_val_loss"] != rows[1]["final_val_loss"]
 
@@ -299,7 +299,9 @@ def test_an_incomplete_run_takes_its_best_loss_and_peak_memory_from_any_record(t
     (row,) = json.loads(capsys.readouterr().out)
     assert row["status"] == "incomplete" and row["steps"] == 6
     assert row["final_val_loss"] == 2.6 and row["best_val_loss"] == 2.2
-    assert row["peak_mem_gb"] == 4.0
+    assert row["peak_host_gb"] == 1.5 and row["peak_gpu_gb"] == 4.0  # each where it is, not the larger of them
+    assert tl.main(["summary", str(d)]) == 0
+    assert capsys.readouterr().out.rstrip().endswith(", peak 1.50 GB host, 4.00 GB GPU")
 
 
 def test_epoch_axis_of_a_one_epoch_run(tmp_path):
