@@ -244,6 +244,9 @@ def load_run(run_dir, name: Optional[str] = None) -> Run:
     if not run_dir.is_dir():
         raise LogError(f"{run_dir}: no such directory")
     if not path.is_file():
+        if (run_dir / "rank_0.log").is_file():  # the trainer opens metrics.jsonl when training starts
+            raise NoRecords(f"{run_dir}: no {METRICS_FILE} yet (the run is setting up, or stopped before its first "
+                            f"step: see rank_0.log)")
         raise LogError(f"{run_dir}: no {METRICS_FILE} here (not a run directory? "
                        f"`summary --all {run_dir}` searches below it)")
     records = last_session(read_metrics(path), path)
@@ -264,11 +267,12 @@ def load_run(run_dir, name: Optional[str] = None) -> Run:
 
 
 def find_runs(root) -> list:
-    """Every directory under root (root included) that holds a metrics.jsonl, sorted."""
+    """Every directory under root (root included) that holds a metrics.jsonl, or a rank_0.log (a run still
+    setting up), sorted."""
     root = Path(root)
     if not root.is_dir():
         raise LogError(f"{root}: no such directory")
-    found = sorted(Path(d) for d, _, files in os.walk(root) if METRICS_FILE in files)
+    found = sorted(Path(d) for d, _, files in os.walk(root) if METRICS_FILE in files or "rank_0.log" in files)
     if not found:
         raise LogError(f"no {METRICS_FILE} anywhere under {root}")
     return found

@@ -347,15 +347,19 @@ def test_summary_all_shows_runs_with_no_records_yet(runs, tmp_path, capsys):
     (root / "b" / "metrics.jsonl").write_text("")
     (root / "c").mkdir()
     (root / "c" / "metrics.jsonl").write_text('{"type": "train", "st')
+    (root / "d").mkdir()  # still setting up: the trainer opens metrics.jsonl when training starts
+    (root / "d" / "rank_0.log").write_text("2026-11-26 04:00:00 [RANK 0] INFO: rank 0/2, local_rank 0, ...\n")
     assert tl.main(["summary", "--all", str(root), "--format", "json"]) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
     assert rows["lr_3e-3"]["final_val_loss"] == summary_record(runs / "lr_3e-3")["final_val_loss"]
-    for name in "bc":
+    for name in "bcd":
         assert rows[name]["status"] == "no records yet" and rows[name]["steps"] is None
+    assert tl.main(["summary", str(root / "d")]) == 0
+    assert capsys.readouterr().out == "d: no records yet\n"
 
     assert tl.main(["summary", "--all", str(root), "--format", "table"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 5 and len({len(x) for x in lines}) == 1
+    assert len(lines) == 6 and len({len(x) for x in lines}) == 1
     assert tl.main(["summary", "--all", str(root)]) == 0
     assert "b: no records yet" in capsys.readouterr().out
 
