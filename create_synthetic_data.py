@@ -202,8 +202,12 @@ def check_counts(num_files, trajectories_per_file, seed, world_seed, dtype):
     for flag, value in (("seed", seed), ("world_seed", world_seed)):
         if value < 0:
             raise ValueError(f"--{flag} must be >= 0, got {value}")
-    if str(dtype) not in DTYPES:
-        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        name = str(dtype)
+    if name not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {name}")
 
 
 def check_geometry(steps, patches, embed_dim, actions_per_step, channels):

@@ -509,12 +509,15 @@ class _KeptRecords(logging.Handler):
 _KEPT_LOGS: "weakref.WeakSet[_KeptRecords]" = weakref.WeakSet()
 
 
-def write_kept_logs() -> None:
+def write_kept_logs(error: Optional[str] = None) -> None:
     """Write the records kept for run dirs (setup_logger(keep=True)) into their files, for a set-up that ended
-    before its trainer took the dir: not into a dir another run holds."""
+    before its trainer took the dir, and the `error` that ended it: not into a dir another run holds."""
     for handler in list(_KEPT_LOGS):
         if not handler.records:
             continue
+        if error:
+            handler.records.append(logging.makeLogRecord({"levelname": "ERROR", "levelno": logging.ERROR,
+                                                          "msg": error}))
         holder, lock = lock_unless_another_run(handler.path.parent)
         if holder is None:
             handler.write_out()

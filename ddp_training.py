@@ -677,11 +677,14 @@ def _size(dataset) -> Optional[int]:
 
 
 def _by_value(every: list, key: str) -> str:
-    """"key: ranks 0-2 have A, rank 3 has B" from every rank's dict."""
+    """"key: ranks 0-2 A, rank 3 B" from every rank's dict; a long value shown by its two ends (where two
+    fingerprints or paths tend to differ)."""
     ranks: dict = {}
     for r, e in enumerate(every):
-        ranks.setdefault(repr(e[key])[:40], []).append(r)
-    return f"{key}: " + ", ".join(f"rank{'s' if len(rs) > 1 else ''} {_spans(rs)} {v}" for v, rs in ranks.items())
+        ranks.setdefault(repr(e[key]), []).append(r)
+    show = lambda v: v if len(v) <= 48 else f"{v[:20]}...{v[-24:]}"  # noqa: E731
+    return f"{key}: " + ", ".join(f"rank{'s' if len(rs) > 1 else ''} {_spans(rs)} {show(v)}"
+                                  for v, rs in ranks.items())
 
 
 def _spans(ranks: list) -> str:
@@ -1006,15 +1009,17 @@ class DDPTrainer:
         sampler meant. Refused here on every rank. Under dispatch rank 0 alone reads the training set."""
         if not self.env.is_distributed:
             return
-        sizes = {"validation samples": _size(val_dataset), "test samples": _size(test_dataset)}
+        mine = {"validation samples": _size(val_dataset), "test samples": _size(test_dataset)}
         if self.cfg.data_strategy == "shard":
-            sizes = {"training samples": _size(train_dataset), **sizes,
-                     "training data fingerprint": self.data_fingerprint}
-        every = rt.gather_objects(sizes)
-        differ = [k for k in sizes if any(e[k] != every[0][k] for e in every)]
+            mine = {"training samples": _size(train_dataset), **mine,
+                    "training data fingerprint": self.data_fingerprint}
+        mine.update(self.resume_must_match)  # what a resume checks (the VJ2 validation files' fingerprint)
+        every = rt.gather_objects(mine)
+        differ = [k for k in mine if any(e[k] != every[0][k] for e in every)]
         if differ:
+            here = f" (this rank's: --data {self.cfg.data})" if self.cfg.data else ""
             raise DataMismatch(f"the ranks were given different data: {'; '.join(_by_value(every, k) for k in differ)}. "
-                               f"Each rank reads its own copy: give every rank the same files")
+                               f"Each rank reads its own copy{here}: give every rank the same files")
 
     def _builtin_lm(self) -> tuple:
         """The default: a CausalLM and its data (synthetic, or cfg.data); (model, (train, val, test))."""
@@ -1667,6 +1672,11 @@ class DDPTrainer:
         self.optimizer.load_state_dict({**saved, "param_groups": [
             {**g, **kernels} for g, kernels in zip(saved["param_groups"], self.configured_kernels)]})
         self.scheduler.load_state_dict(state["scheduler"])
+        step = state["counters"]["global_step"]
+        if self.scheduler.last_epoch != step:  # a state from before skipped steps moved the schedule on
+            self.log.warning("%s: its schedule is at step %d of %d (skipped steps did not count then); it goes on "
+                             "from step %d", path, self.scheduler.last_epoch, step, step)
+            self.scheduler.last_epoch = step
         self._apply_configured_rates(self.configured_rates)
         if self.scaler and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])

@@ -49,6 +49,8 @@ PEAK_KEYS = {"peak_host_gb": ("cpu_peak_rss_gb", "peak_rss_gb"), "peak_gpu_gb": 
 SUMMARY_FIELDS = ("name", "status", "steps", "sessions", "final_val_loss", "best_val_loss", "test_loss",
                   "total_time_s", "avg_samples_per_s", "mfu", "world_size", *PEAK_KEYS)
 NO_RECORDS = "no records yet"
+SET_UP_FAILED = "failed in set-up"
+LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \[RANK \d+\] ")  # rt.setup_logger's format
 
 
 class LogError(Exception):
@@ -57,7 +59,13 @@ class LogError(Exception):
 
 class NoRecords(LogError):
     """A metrics.jsonl with no complete record: a run that has only just started. Listings show it as a
-    row instead of failing."""
+    row (`status`) instead of failing."""
+    status = NO_RECORDS
+
+
+class SetUpFailed(NoRecords):
+    """A run that logged an error before it trained a step (bad input, data that differs between ranks)."""
+    status = SET_UP_FAILED
 
 
 def warn(msg: str) -> None:
@@ -79,6 +87,7 @@ class Run:
     sessions: int = 1
     earlier_sessions_s: float = 0.0  # the time of every session before the last, added up
     no_records: Optional[str] = None  # why there is nothing to show yet
+    status: str = NO_RECORDS  # of a run with no records
 
     def records(self, kind: str) -> list:
         return self.train if kind == "train" else self.val
@@ -190,7 +199,7 @@ def add_elapsed(records: list) -> tuple:
         t = rec.get("wall_time_s" if rec["type"] == "summary" else "time")
         if not isinstance(t, (int, float)):
             continue
-        if t + offset < prev:
+        if t + offset < prev - 1e-3:  # the summary's wall_time_s is rounded to ms
             offset = prev
             sessions += 1
         rec["_elapsed"] = t + offset
@@ -245,8 +254,10 @@ def load_run(run_dir, name: Optional[str] = None) -> Run:
         raise LogError(f"{run_dir}: no such directory")
     if not path.is_file():
         if (run_dir / "rank_0.log").is_file():  # the trainer opens metrics.jsonl when training starts
-            raise NoRecords(f"{run_dir}: no {METRICS_FILE} yet (the run is setting up, or stopped before its first "
-                            f"step: see rank_0.log)")
+            error = first_error(run_dir / "rank_0.log")
+            if error:
+                raise SetUpFailed(f"{run_dir}: failed before its first step: {error}")
+            raise NoRecords(f"{run_dir}: no {METRICS_FILE} yet (the run is still setting up)")
         raise LogError(f"{run_dir}: no {METRICS_FILE} here (not a run directory? "
                        f"`summary --all {run_dir}` searches below it)")
     records = last_session(read_metrics(path), path)
@@ -264,6 +275,24 @@ def load_run(run_dir, name: Optional[str] = None) -> Run:
         raise LogError(f"{path} holds no train, val or summary record")
     run.steps_per_epoch = find_steps_per_epoch(records)
     return run
+
+
+def first_error(log: Path) -> Optional[str]:
+    """The first ERROR line of a rank log without its time and rank prefix, and the exception of the
+    traceback that follows it, if one does ("trainer set-up failed" is followed by its traceback)."""
+    with open(log, errors="replace") as f:
+        lines = f.read().splitlines()
+    for i, line in enumerate(lines):
+        if "] ERROR: " in line:
+            message = line.split("] ERROR: ", 1)[1].strip()
+            after = []
+            for later in lines[i + 1:]:
+                if LOG_LINE.match(later):
+                    break
+                after.append(later)
+            raised = [a for a in after if a.strip() and not a.startswith((" ", "Traceback"))]
+            return f"{message}: {raised[-1].strip()}" if raised else message
+    return None
 
 
 def find_runs(root) -> list:
@@ -295,7 +324,7 @@ def load_runs(dirs=(), root=None) -> list:
         try:
             runs.append(load_run(d, name))
         except NoRecords as exc:
-            runs.append(Run(name=name, path=Path(d), no_records=str(exc)))
+            runs.append(Run(name=name, path=Path(d), no_records=str(exc), status=exc.status))
     return runs
 
 
@@ -351,7 +380,7 @@ def summarize(run: Run) -> dict:
     """One run's headline numbers. Without a summary record (still running, or killed) they are rebuilt
     from the train/val records and the status is "incomplete"."""
     if run.no_records:
-        return {**dict.fromkeys(SUMMARY_FIELDS), "name": run.name, "status": NO_RECORDS}
+        return {**dict.fromkeys(SUMMARY_FIELDS), "name": run.name, "status": run.status}
     s = run.summary or {}
     vals = _finite(r.get("val_loss") for r in run.val)
     everything = run.train + run.val + ([s] if s else [])
@@ -417,8 +446,8 @@ def format_summaries(rows: list, fmt: str = "one-line") -> str:
         lines = []
         for r in rows:
             f = {k: _fmt(k, r[k]) for k in SUMMARY_FIELDS}
-            if r["status"] == NO_RECORDS:
-                lines.append(f"{f['name']}: {NO_RECORDS}")
+            if r["status"] in (NO_RECORDS, SET_UP_FAILED):
+                lines.append(f"{f['name']}: {r['status']}")
                 continue
             lines.append(f"{f['name']}: {f['status']}, {f['steps']} steps, val {f['final_val_loss']} "
                          f"(best {f['best_val_loss']}), test {f['test_loss']}, {f['total_time_s']} s over "

@@ -33,7 +33,7 @@ from torch.utils.data import Dataset
 
 import config
 import ddp_runtime as rt
-from ddp_training import MAX_TIMEOUT_S, BadInput, DDPTrainer, RunDirInUse, evaluate_model, train_preemptible
+from ddp_training import MAX_TIMEOUT_S, BadInput, DataMismatch, DDPTrainer, RunDirInUse, evaluate_model, train_preemptible
 from vj2_dataloader import VJ2TrajectoryDataset, data_fingerprint, list_files
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -408,8 +408,9 @@ def set_up(args, launch, cfg):
         return _set_up(args, launch, cfg, log)
     except RunDirInUse as exc:  # another run's dir: nothing of this run goes into it
         raise BadInput(str(exc)) from exc
-    except BaseException:  # each rank's file shows why it stopped
-        rt.write_kept_logs()
+    except BaseException as exc:  # each rank's file shows why it stopped
+        why = exc if isinstance(exc, BadInput) else f"{type(exc).__name__}: {exc}"
+        rt.write_kept_logs(f"set-up {'failed' if isinstance(exc, Exception) else 'stopped'}: {why}")
         raise
 
 
@@ -448,6 +449,9 @@ def _set_up(args, launch, cfg, log):
                                                 "validation data (fingerprint)": val_set.fingerprint()})
     except RunDirInUse:
         raise
+    except DataMismatch as exc:
+        raise BadInput(f"{exc} (--processed_data_dir {args.processed_data_dir}, --validation_data_dir "
+                       f"{args.validation_data_dir}; each rank's log names the files it skipped)") from exc
     except (ValueError, rt.CheckpointError) as exc:  # e.g. fewer trajectories per rank than --batch_size
         raise BadInput(str(exc)) from exc
     env = trainer.env

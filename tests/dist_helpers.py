@@ -3,6 +3,7 @@
 import multiprocessing as mp
 import os
 import queue as queue_module
+import signal
 import socket
 import time
 import traceback
@@ -97,6 +98,7 @@ def _script_entry(module, argv, cwd, env, out):
     output file (stdout and stderr together), its exit code the process's."""
     import importlib
     import sys
+    os.setsid()  # its own group, which the parent kills whole on a timeout (--nproc ranks included)
     mp.set_start_method("fork", force=True)  # a script's default here; a forkserver child has the server's
     fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(fd, 1)
@@ -108,8 +110,13 @@ def _script_entry(module, argv, cwd, env, out):
     sys.argv = [f"{module}.py", *argv]
     try:
         code = importlib.import_module(module).main(argv)
-    except SystemExit as exc:  # argparse's errors
-        code = exc.code if isinstance(exc.code, int) else 1
+    except SystemExit as exc:  # argparse's errors; as the interpreter exits for the others
+        code = exc.code
+        if code is None:
+            code = 0
+        elif not isinstance(code, int):
+            print(code, file=sys.stderr)
+            code = 1
     import ddp_runtime
     ddp_runtime.exit_process(code)
 
@@ -122,11 +129,19 @@ def run_script_forked(module: str, argv: list, cwd, env: dict, timeout: float = 
     out = Path(cwd) / f".{module}.out"
     proc = _CTX.Process(target=_script_entry, args=(module, [str(a) for a in argv], str(cwd), env, str(out)))
     proc.start()
-    proc.join(timeout)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(10)
-        raise RuntimeError(f"{module}.py {argv} did not exit within {timeout}s: {out.read_text()[-2000:]}")
-    text = out.read_text()
-    out.unlink()
-    return proc.exitcode, text
+    try:
+        proc.join(timeout)
+        if proc.is_alive():
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.join(10)
+            raise RuntimeError(f"{module}.py {argv} did not exit within {timeout}s: {_read(out)[-2000:]}")
+        return proc.exitcode, _read(out)
+    finally:
+        out.unlink(missing_ok=True)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except FileNotFoundError:  # the child died before it opened it
+        return "(no output)"

@@ -202,11 +202,11 @@ def test_ranks_given_other_contents_of_one_size_are_refused_at_set_up(tmp_path):
     (tmp_path / "a.txt").write_bytes(text)
     (tmp_path / "b.txt").write_bytes(text[:2000] + b"#" + text[2001:])  # one byte differs, in the training part
     configs = [{"data": str(tmp_path / name), "seq_len": 16, "vocab_size": 256} for name in ("a.txt", "b.txt")]
-    r0, r1 = spawn(_own_copy, 2, str(tmp_path), configs, timeout=60)
-    assert r0 == r1, (r0, r1)
-    assert re.fullmatch(r"DataMismatch: the ranks were given different data: training data fingerprint: "
-                        r"rank 0 '\S+', rank 1 '\S+'\. Each rank reads its own copy: give every rank the same files",
-                        r0), r0
+    for rank, (name, said) in enumerate(zip(("a.txt", "b.txt"), spawn(_own_copy, 2, str(tmp_path), configs,
+                                                                        timeout=60))):
+        assert re.fullmatch(r"DataMismatch: the ranks were given different data: training data fingerprint: "
+                            r"rank 0 '\S+', rank 1 '\S+'\. Each rank reads its own copy \(this rank's: --data "
+                            + re.escape(str(tmp_path / name)) + r"\): give every rank the same files", said), said
     # the same copy on both: built
     assert spawn(_own_copy, 2, str(tmp_path), configs[:1] * 2, timeout=60) == ["built", "built"]
 
@@ -811,3 +811,12 @@ def test_a_hung_checkpoint_write_is_named_on_every_rank(tmp_path):
     results = spawn(_hung_write, 2, str(tmp_path), timeout=120)
     assert all("CheckpointWriteHung" in r and "a checkpoint write did not finish within 9 s" in r
                for r in results), results
+
+
+def test_the_ranks_of_each_value_are_named_and_a_long_value_by_its_ends():
+    from ddp_training import _by_value
+    path = "/mnt/local/datasets/vj2/train_shards@2026-11-0"
+    every = [{"fingerprint": f"user:{path}{d}"} for d in (1, 1, 1, 2, 1)]  # grouped by the whole value
+    assert _by_value(every, "fingerprint") == \
+        "fingerprint: ranks 0-2,4 'user:/mnt/local/dat...train_shards@2026-11-01', rank 3 'user:/mnt/local/dat..." \
+        "train_shards@2026-11-02'"

@@ -299,6 +299,26 @@ def test_a_lengthened_run_says_that_its_rate_jumps(tmp_path, no_launch_env):
         (tmp_path / "logs" / "rank_0.log").read_text()
 
 
+def test_a_state_whose_schedule_lags_its_steps_goes_on_from_its_step(tmp_path, no_launch_env):
+    """Before 26 Nov 2026 a skipped step did not move the schedule: such a state's scheduler is behind its
+    global_step, and resumed as it was the run stayed behind for good (the README says the rate of step N
+    is the schedule's at N)."""
+    cfg = cfg_for(tmp_path, max_steps=6)
+    DDPTrainer(config=cfg).train()
+    path = tmp_path / "ckpt" / "model_state_step_6.pt"
+    state = rt.load_checkpoint(path)
+    state["scheduler"]["last_epoch"] = 4  # two skipped steps, counted in global_step only
+    rt.atomic_save(state, path)
+    t = DDPTrainer(config={**cfg, "max_steps": 12})
+    assert t.global_step == t.scheduler.last_epoch == 6
+    from ddp_training import lr_factor
+    expected = BASE["learning_rate"] * lr_factor(6, 12, BASE["warmup_steps"], "cosine", 0.1)
+    assert t.optimizer.param_groups[0]["lr"] == pytest.approx(expected, rel=1e-12)
+    assert f"{path}: its schedule is at step 4 of 6 (skipped steps did not count then); it goes on from step 6" in \
+        (tmp_path / "logs" / "rank_0.log").read_text()
+    t.close()
+
+
 def test_a_resumed_optimizer_keeps_this_devices_kernels(tmp_path, no_launch_env):
     """An optimizer state carries the fused/foreach choice of the device that saved it, and torch's
     load_state_dict takes it: a state from a GPU (fused) resumed on the CPU runs foreach, as configured here."""

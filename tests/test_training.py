@@ -1138,7 +1138,8 @@ def check_vj2_run(run: Path, world_size: int):
     assert summary["type"] == "summary" and summary["world_size"] == world_size and summary["steps"] == 40
     assert val[-1] < 0.8 * first, (first, val)  # the predictor learns: loss down by over 20% in 40 steps
     ckpt = torch.load(run / "vjepa2_final.pt", weights_only=True)
-    assert set(ckpt) == {"predictor", "global_step", "val_loss", "predictor_config", "rollout_horizon"}
+    assert set(ckpt) == {"predictor", "global_step", "val_loss", "predictor_config", "rollout_horizon",
+                         "data_geometry"}
     assert ckpt["global_step"] == 40 and not any(k.startswith("module.") for k in ckpt["predictor"])
 
 

@@ -579,3 +579,37 @@ def test_an_output_that_cannot_be_written_is_a_clear_error(runs, tmp_path, capsy
     (tmp_path / "dir.png").mkdir()  # savefig's own open fails: a directory where the image goes
     assert tl.main(["plot", str(runs / "lr_3e-3"), "--output", str(tmp_path / "dir.png")]) == 2
     assert capsys.readouterr().err.startswith("training_logs.py: error: IsADirectoryError: ")
+
+
+def test_a_run_that_failed_in_set_up_says_so_and_why(tmp_path, capsys, no_launch_env):
+    """A run dir with a rank_0.log and no metrics file is still setting up, unless its log has an error:
+    then it never will train (bad input found after the logger started, data that differs between ranks)."""
+    (tmp_path / "empty.txt").write_text("")
+    cfg = {"device": "cpu", "data": str(tmp_path / "empty.txt"), "log_dir": str(tmp_path / "runs" / "a"),
+           "checkpoint_dir": str(tmp_path / "runs" / "a" / "ckpt"), "resume": "none"}
+    with pytest.raises(ValueError, match="the file is empty"):
+        DDPTrainer(config=cfg)
+    import ddp_runtime as rt
+    log = rt.setup_logger(tmp_path / "runs" / "b", 0, keep=True)  # the VJ2 script's set-up, before its trainer
+    log.info("[DDP] Initializing with backend=gloo, device=cpu")
+    rt.write_kept_logs("set-up failed: --processed_data_dir d: no .npz files")
+    rt.close_logger(log)
+    capsys.readouterr()  # what the trainer logged to the console
+    assert tl.main(["summary", "--all", str(tmp_path / "runs"), "--format", "json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["a"]["status"] == rows["b"]["status"] == "failed in set-up"
+    assert tl.main(["plot", "--all", str(tmp_path / "runs"), "--output", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'runs' / 'a'}: failed before its first step: trainer set-up failed: ValueError: --data " \
+           f"{tmp_path / 'empty.txt'}: the file is empty" in err, err
+    assert f"{tmp_path / 'runs' / 'b'}: failed before its first step: set-up failed: --processed_data_dir d: no .npz " \
+           f"files" in err, err
+
+
+def test_a_summary_rounded_below_the_last_record_is_the_same_session(tmp_path):
+    # wall_time_s is rounded to ms: 0.3 ms after a record at 2.0004 s it reads 2.0, and was a second session
+    recs = train_recs([1, 2], spe=4, dt=1.0002)
+    recs.append({"type": "summary", "status": "completed", "steps": 2, "resumed_from": None, "wall_time_s": 2.0,
+                 "samples_per_s": 8.0, "world_size": 1, "global_batch": 8})
+    row = tl.summarize(tl.load_run(write_run(tmp_path / "a", recs)))
+    assert row["sessions"] == 1 and row["total_time_s"] == 2.0 and row["avg_samples_per_s"] == 8.0

@@ -106,6 +106,11 @@ def test_generate_refuses_what_the_loader_would_before_writing(tmp_path, change,
     with pytest.raises(ValueError, match=re.escape(message)):
         gen.generate(tmp_path / "out", **{"num_files": 1, "trajectories_per_file": 2, **change})
     assert not (tmp_path / "out").exists()
+    # numpy's own spellings of the two dtypes stay accepted
+    for i, dtype in enumerate((np.float16, "f4")):
+        (path,) = gen.generate(tmp_path / f"ok{i}", num_files=1, trajectories_per_file=2, dtype=dtype)
+        with np.load(path, allow_pickle=False) as f:
+            assert f["embeddings"].dtype == np.dtype(dtype)
 
 
 @pytest.mark.parametrize("dtype, noise", [("float16", "1e6"), ("float16", "7000"), ("float32", "1e38")])

@@ -533,7 +533,7 @@ def test_interrupted_run_saves_its_weights_and_exits_preempted(tmp_path):
     assert ckpt["global_step"] >= 1
     # val_loss only if these weights were validated (no validation runs mid-epoch here)
     vals = [r for r in metrics(metrics_file.parent, "val") if r["step"] == ckpt["global_step"]]
-    assert set(ckpt) == {"predictor", "global_step", "predictor_config", "rollout_horizon"} | \
+    assert set(ckpt) == {"predictor", "global_step", "predictor_config", "rollout_horizon", "data_geometry"} | \
         ({"val_loss"} if vals else set())
     if vals:
         assert ckpt["val_loss"] == vals[-1]["val_loss"]
