@@ -292,7 +292,8 @@ class StopsItsWorker(torch.utils.data.Dataset):
 
 def _stuck_worker(rank, world_size, root):
     data = synthetic_lm_data(TrainConfig.from_dict(CFG))
-    cfg = cfg_for(root, num_workers=1, loader_timeout=3, max_steps=40)
+    # the timeout also covers a worker's start (a spawned process imports torch: 3 s on a slow, busy 2-core VM)
+    cfg = cfg_for(root, num_workers=1, loader_timeout=8, max_steps=40)
     t0 = time.time()
     try:
         DDPTrainer(rank=rank, world_size=world_size, config=cfg, model=CausalLM(64, 32, 1, 2, 16),
@@ -309,9 +310,9 @@ def test_a_stuck_loader_worker_fails_the_run_at_its_first_timeout(tmp_path):
     try:
         r0, r1 = spawn(_stuck_worker, 2, str(tmp_path), timeout=90)
         for r in (r0, r1):
-            assert "failed on rank 1: data loading failed: RuntimeError: DataLoader timed out after 3" in r["error"]
+            assert "failed on rank 1: data loading failed: RuntimeError: DataLoader timed out after 8" in r["error"]
             assert "a worker is stuck" in r["error"]
-        assert r1["seconds"] < 40  # one timeout (3 s), not one per step until max_errors_per_epoch
+        assert r1["seconds"] < 40  # one timeout (8 s), not one per step until max_errors_per_epoch
         time.sleep(1)
         stuck = psutil.Process(int((tmp_path / "stuck_pid").read_text()))
         assert stuck.status() == psutil.STATUS_ZOMBIE, "the stopped worker outlived its rank"
