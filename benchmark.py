@@ -344,12 +344,7 @@ def cmd_overhead(args):
                device=args.device, compile=args.compile, seed=args.seed, save_interval=0, save_every_iters=0,
                val_interval=0, resume="none", **PRECISIONS[args.precision])
     data = synthetic_lm_data(TrainConfig.from_dict(cfg))
-    changed = parse_settings(args.trainer_set)
-    same_work = sorted(set(changed) & (set(lm_config(args)) | {"batch_size", "grad_accum_steps", "device", "compile",
-                                                               "use_amp", "amp_dtype"}))
-    if same_work:
-        raise SystemExit(f"error: --trainer_set {', '.join(same_work)} would change the work of a step, so the two "
-                         f"loops would not compare; use the flags, which set both loops")
+    changed = parse_settings(args.trainer_set)  # check_args refused what the comparison cannot take
     base_cfg, cfg = cfg, dict(cfg, **changed)
     TrainConfig.from_dict(cfg)  # an unknown key fails here, before any run
     amp = amp_dtype_for(TrainConfig.from_dict(base_cfg), device)
@@ -395,7 +390,8 @@ def cmd_overhead(args):
     out.update(bare_steps_per_s=bare_med, trainer_steps_per_s=trainer_med, ratio=ratio, loops=loops,
                flops_per_step=flops_per_step, trainer_extra_ms_per_step=1000 / trainer_med - 1000 / bare_med,
                gc_collect_ms=1000 * gc_s, gc_ms_per_step=1000 * gc_s / cleanup if cleanup else 0.0,
-               gc_in_window=total // cleanup - args.warmup // cleanup if cleanup else 0,
+               # a step's gc runs after its time is stamped: steps warmup..total-1 collect inside the window
+               gc_in_window=(total - 1) // cleanup - (args.warmup - 1) // cleanup if cleanup else 0,
                bare_runs=bare, trainer_runs=trainer, pair_ratios=[t / b for b, t in zip(bare, trainer)],
                samples_per_step=args.batch_size, bare_final_loss=bare_loss, trainer_final_loss=trainer_loss,
                target_ratio=TARGET_OVERHEAD_RATIO, meets_target=ratio >= TARGET_OVERHEAD_RATIO)
@@ -1078,6 +1074,16 @@ def model_sizes(text):
     return out
 
 
+def positive_seconds(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not (0 < value < math.inf):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, got {text!r}")
+    return value
+
+
 def existing_dir(text):
     if not Path(text).is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is not an existing directory")
@@ -1092,7 +1098,8 @@ def build_parser():
     common.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of tables")
     common.add_argument("--dir", type=existing_dir,
                         help="parent of the temporary work directory; None: the system temp dir")
-    common.add_argument("--timeout", type=float, default=600.0, help="seconds any child process may run")
+    common.add_argument("--timeout", type=positive_seconds, default=600.0,
+                        help="seconds one of scaling's trainer runs or one loader probe may run")
     fmt = argparse.ArgumentDefaultsHelpFormatter
 
     o = sub.add_parser("overhead", parents=[common], formatter_class=fmt,
@@ -1102,7 +1109,7 @@ def build_parser():
     o.add_argument("--warmup", type=at_least(1), default=5, help="untimed steps at the start of each run")
     o.add_argument("--repeats", type=at_least(1), default=5, help="interleaved pairs (bare, trainer)")
     o.add_argument("--threads", type=at_least(1), default=rt.cpu_count(), help="intra-op threads, both loops")
-    o.add_argument("--seed", type=int, default=DEFAULTS.seed)
+    o.add_argument("--seed", type=at_least(0), default=DEFAULTS.seed)
     o.add_argument("--trainer_set", action="append", default=[], metavar="KEY=VALUE",
                    help="change a trainer config key for the trainer runs only (repeatable), e.g. cleanup_interval=0")
     o.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both loops train")
@@ -1123,7 +1130,7 @@ def build_parser():
     s.add_argument("--steps", type=at_least(1), default=60, help="timed steps per run")
     s.add_argument("--warmup", type=at_least(1), default=10, help="untimed steps at the start of each run")
     s.add_argument("--repeats", type=at_least(1), default=3, help="interleaved repeats (1, N, 1, N, ...)")
-    s.add_argument("--seed", type=int, default=DEFAULTS.seed)
+    s.add_argument("--seed", type=at_least(0), default=DEFAULTS.seed)
     s.add_argument("--trainer_set", action="append", default=[], metavar="KEY=VALUE",
                    help="change a trainer config key for the trainer runs (repeatable), e.g. static_graph=false")
     s.add_argument("--bare", type=int, default=1, choices=[0, 1],
@@ -1176,10 +1183,13 @@ def build_parser():
     return p
 
 
-# What `scaling` sets in the trainer's runs itself, or what would change the work of a step (its bare loops would
-# then train another model): not for --trainer_set
-SCALING_OWN = {"batch_size", "dataset_size", "max_steps", "seed", "save_interval", "save_every_iters", "val_interval",
-               "resume", "log_dir", "checkpoint_dir", "grad_accum_steps", "device", "compile", "use_amp", "amp_dtype"}
+# What `overhead` and `scaling` set in the trainer's runs themselves, or what would change the work of a step or
+# its data (the bare loops would then train another model, or the timed window hold an epoch's end): not for
+# --trainer_set, whose keys apply to the trainer's runs only
+SET_BY_THE_BENCHMARK = {"batch_size", "dataset_size", "max_steps", "num_epochs", "seed", "data", "markov_branching",
+                        "val_fraction", "save_interval", "save_every_iters", "val_interval", "resume", "run_name",
+                        "log_dir", "checkpoint_dir", "grad_accum_steps", "device", "compile", "use_amp", "amp_dtype",
+                        "dropout", "grad_clip"}
 
 
 def check_args(parser, args) -> None:
@@ -1189,9 +1199,9 @@ def check_args(parser, args) -> None:
     except ValueError as exc:
         parser.error(f"--trainer_set: {exc}")
     model = lm_config(args) if hasattr(args, "hidden_size") else {}
-    if args.command == "scaling" and (own := sorted(set(changed) & (SCALING_OWN | set(model)))):
-        parser.error(f"--trainer_set {', '.join(own)}: set by scaling itself, or would change the work of a step "
-                     f"(the bare loops would then train another model); use the sub-command's flags")
+    if own := sorted(set(changed) & (SET_BY_THE_BENCHMARK | set(model))):
+        parser.error(f"--trainer_set {', '.join(own)}: set by {args.command} itself, or would change the work of a "
+                     f"step or its data (the bare loops would then train another model); use the sub-command's flags")
     try:  # an unknown key or a bad value (the runs always set max_steps)
         TrainConfig.from_dict({"max_steps": 1, **model, **changed})
     except ValueError as exc:

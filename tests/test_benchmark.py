@@ -187,6 +187,14 @@ def test_json_output_stays_strict_when_a_figure_is_not_finite(capsys):
     (["scaling", "--trainer_set", "val_interval=5"], "--trainer_set val_interval: set by scaling itself"),
     (["scaling", "--trainer_set", "hidden_size=64"], "--trainer_set hidden_size: set by scaling itself, or would "
                                                      "change the work of a step"),
+    # the bare loop would not stop there, or trains without dropout: refused for overhead too, not only scaling
+    (["overhead", "--trainer_set", "max_steps=3"], "--trainer_set max_steps: set by overhead itself"),
+    (["overhead", "--trainer_set", "dropout=0.1"], "--trainer_set dropout: set by overhead itself, or would change "
+                                                   "the work of a step or its data"),
+    (["scaling", "--trainer_set", "grad_clip=0"], "--trainer_set grad_clip: set by scaling itself"),
+    (["overhead", "--seed", "-1"], "argument --seed: expected an integer >= 0, got -1"),  # numpy's error, later
+    (["scaling", "--timeout", "0"], "argument --timeout: expected a finite number of seconds > 0, got '0'"),
+    (["loader", "--timeout", "nan"], "argument --timeout: expected a finite number of seconds > 0, got 'nan'"),
     (["loader", "--steps", "2"], "argument --steps: expected an integer >= 3, got 2"),
     (["loader", "--files", "1", "--traj_per_file", "1"], "--files 1 x --traj_per_file 1 trajectories are fewer "
                                                          "than one --batch_size 4"),
