@@ -787,6 +787,17 @@ def ranks_of(proc) -> list:
     return children
 
 
+def wait_until_starting(proc, log_dir: Path, when: str) -> None:
+    """Until an --nproc run's two ranks exist ("while-the-ranks-import-torch") or rank 1 has begun its
+    set-up and opened its log ("during-their-set-up"); 60 s at most."""
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        if len(ranks_of(proc)) >= 2 if when.startswith("while") else (log_dir / "rank_1.log").exists():
+            return
+        time.sleep(0.01)
+    pytest.fail(f"the --nproc run did not reach '{when}' within 60 s")
+
+
 @pytest.mark.multi
 @pytest.mark.parametrize("when", ["while-the-ranks-import-torch", "during-their-set-up"])
 def test_a_stop_to_the_group_of_a_starting_nproc_run_stops_it_at_step_1_with_a_save(tmp_path, when):
@@ -795,13 +806,7 @@ def test_a_stop_to_the_group_of_a_starting_nproc_run_stops_it_at_step_1_with_a_s
     cmd = [sys.executable, REPO / "ddp_training.py", "--cpu", "--nproc", "2", "--test", "--log_dir", "logs",
            "--checkpoint_dir", "ckpt"]
     with background(cmd, tmp_path, env=clean_env()) as proc:
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            started = (len(ranks_of(proc)) >= 2 if when.startswith("while")
-                       else (tmp_path / "logs" / "rank_1.log").exists())
-            if started:
-                break
-            time.sleep(0.01)
+        wait_until_starting(proc, tmp_path / "logs", when)
         os.killpg(proc.pid, signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 75, out[-3000:]
@@ -822,13 +827,7 @@ def test_ctrl_c_during_the_set_up_of_an_nproc_run_is_no_success(tmp_path, when):
     cmd = [sys.executable, REPO / "ddp_training.py", "--cpu", "--nproc", "2", "--test", "--log_dir", "logs",
            "--checkpoint_dir", "ckpt", "--dataset_size", "200000"]  # ~3 s of set-up: making and hashing the data
     with background(cmd, tmp_path, env=clean_env()) as proc:
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            started = (len(ranks_of(proc)) >= 2 if when.startswith("while")
-                       else (tmp_path / "logs" / "rank_1.log").exists())
-            if started:
-                break
-            time.sleep(0.01)
+        wait_until_starting(proc, tmp_path / "logs", when)
         os.killpg(proc.pid, signal.SIGINT)
         out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGINT, out[-3000:]
