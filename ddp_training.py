@@ -1073,6 +1073,13 @@ class DDPTrainer:
         self.model = DDP(trained, device_ids=[env.device.index] if env.device.type == "cuda" else None,
                          find_unused_parameters=cfg.find_unused_parameters, static_graph=self.static_graph,
                          gradient_as_bucket_view=True, bucket_cap_mb=cfg.bucket_cap_mb)
+        # DDP's forward may broadcast rank 0's buffers (BatchNorm's statistics) before it runs the module: a
+        # replay after a forward that got that far must not broadcast again, or it meets the peers' gradient
+        # all-reduce with a broadcast (see _accumulate)
+        self.model.register_forward_pre_hook(self._note_ddp_forward)
+
+    def _note_ddp_forward(self, module, args) -> None:
+        self.ddp_forward_entered = True
 
     def _build_loaders(self, train_dataset, val_dataset, test_dataset, collate_fn) -> None:
         cfg, env = self.cfg, self.env
@@ -1248,6 +1255,7 @@ class DDPTrainer:
                 break
             if fatal or oom:  # this step is lost: keep the collectives, skip the work
                 batch, weight = self._tiny_spare(fatal or "out of memory"), 0.0
+            self.ddp_forward_entered = False
             try:
                 tally.add(*self._forward_backward(batch, last, weight))
                 continue
@@ -1271,6 +1279,8 @@ class DDPTrainer:
             # memory the replay needs
             if self.env.device.type == "cuda":
                 torch.cuda.empty_cache()
+            if self.ddp_forward_entered:  # its buffer broadcast, if this micro-step has one, is done
+                self.model.require_forward_param_sync = False
             try:
                 tally.add(*self._forward_backward(self._tiny_spare(fatal or "out of memory"), last, 0.0))
             except Exception as replay_exc:  # e.g. DDP had reduced part of a backward that died half-way

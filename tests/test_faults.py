@@ -694,37 +694,72 @@ def bn_model():
 
 
 class BatchNormLoss:
-    """MSE of a BatchNorm model on IdsAndFeatures batches; raises `error` at the `at`-th training call."""
+    """MSE of a BatchNorm model on IdsAndFeatures batches; raises `error` at the `at`-th training call: `where`
+    "before" the model's forward, "inside" it (in its first layer, past DDP's buffer broadcast) or "after" it."""
 
-    def __init__(self, at=None, error=None):
-        self.at, self.error, self.calls = at, error, 0
+    def __init__(self, at=None, error=None, where="before"):
+        self.at, self.error, self.where, self.calls = at, error, where, 0
 
     def __call__(self, model, batch):
         assert len(batch["id"]) == len(batch["x"])
         self.calls += model.training
-        if self.error is not None and self.calls == self.at and model.training:
+        fails = self.error is not None and self.calls == self.at and model.training
+        if fails and self.where == "before":
             raise self.error
-        return nn.functional.mse_loss(model(batch["x"]), batch["y"], reduction="sum"), len(batch["x"])
+        first_layer = getattr(model, "module", model)[0]
+        hook = first_layer.register_forward_pre_hook(self._raise) if fails and self.where == "inside" else None
+        try:
+            out = model(batch["x"])
+        finally:
+            if hook is not None:
+                hook.remove()
+        if fails:
+            raise self.error
+        return nn.functional.mse_loss(out, batch["y"], reduction="sum"), len(batch["x"])
+
+    def _raise(self, module, args):
+        raise self.error
 
 
-def _bn_step_error(rank, world_size, root):
-    error = ValueError("injected") if rank == 1 else None
+def _bn_step_error(rank, world_size, root, error, where, grad_accum_steps=1, at=2):
+    cfg = cfg_for(root, batch_size=4, max_steps=4, dist_timeout=20, grad_accum_steps=grad_accum_steps)
+    loss_fn = BatchNormLoss(at, error if rank == 1 else None, where)
     try:
-        DDPTrainer(rank=rank, world_size=world_size, config=cfg_for(root, batch_size=4, max_steps=4),
-                   model=bn_model(), train_dataset=IdsAndFeatures(64), loss_fn=BatchNormLoss(2, error)).train()
-        return "completed"
+        s = DDPTrainer(rank=rank, world_size=world_size, config=cfg, model=bn_model(),
+                       train_dataset=IdsAndFeatures(64), loss_fn=loss_fn).train()
+        return f"completed {s['steps']} steps"
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
 
 
-def test_a_step_error_with_batchnorm_and_id_lists_fails_every_rank_alike(tmp_path):
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_a_step_error_with_batchnorm_and_id_lists_fails_every_rank_alike(tmp_path, where):
     """The weight-zero replay that completes the failed rank's collectives takes two samples of a batch
     (one is too few for BatchNorm in training mode) and slices a batch's list of ids with its tensors;
-    either failure used to end that rank in StepAbandoned instead of the step failing on every rank."""
-    results = spawn(_bn_step_error, 2, str(tmp_path), timeout=90)
+    either failure used to end that rank in StepAbandoned instead of the step failing on every rank. After
+    the model's forward, DDP has broadcast the buffers: a replay that broadcast them again met the peer's
+    gradient all-reduce, and both ranks waited out dist_timeout."""
+    t0 = time.time()
+    results = spawn(_bn_step_error, 2, str(tmp_path), ValueError("injected"), where, timeout=90)
     assert all(r.startswith("StepFailed: step 2 failed on rank 1: ValueError in forward: injected") for r in results), \
         results
+    assert time.time() - t0 < 20  # not after dist_timeout
     assert (tmp_path / "ckpt" / "model_interrupted.pt").exists()
+
+
+@pytest.mark.parametrize("where, at", [("inside", 3), ("after", 2)],
+                         ids=["inside-the-first-micro-step", "after-the-last-micro-step"])
+def test_out_of_memory_in_a_batchnorm_forward_is_retried_on_every_rank(tmp_path, where, at):
+    """Out of memory on one rank in or after DDP's forward, with 2 micro-steps a step, is retried with split
+    micro-batches by both ranks. DDP broadcasts the buffers in the forward of a step's first micro-step only;
+    the replay broadcast them again wherever the failed forward had not (the first micro-step's died before
+    DDP noted its no_sync, the last micro-step's was noted as synced), and met the peer's all-reduce."""
+    oom = torch.OutOfMemoryError("CUDA out of memory (simulated)")
+    results = spawn(_bn_step_error, 2, str(tmp_path), oom, where, 2, at, timeout=90)
+    assert results == ["completed 4 steps"] * 2, results
+    for rank in (0, 1):
+        assert f"retrying step {at - 1} with micro-batches split 2 ways" in \
+            (tmp_path / "logs" / f"rank_{rank}.log").read_text()
 
 
 def test_replays_leave_batchnorm_statistics_alone_and_oom_splits_id_lists(tmp_path, no_launch_env):
