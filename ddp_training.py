@@ -1401,11 +1401,38 @@ class DDPTrainer:
         return self.spare_batch
 
     def _unused_parameters(self) -> list:
-        """Parameters that got no gradient: under DDP without find_unused_parameters they would
-        leave a bucket unreduced and fail the next step with an obscure error."""
+        """Parameters that got no gradient in this step's synced backward on this rank. Under DDP without
+        find_unused_parameters their bucket is left unreduced here while a peer that used them waits in its
+        all-reduce: the next collective would meet it (gloo aborts the process, NCCL hangs). A zero gradient
+        for each completes that all-reduce, so the step can fail on every rank at the agreement, named."""
         if not self.env.is_distributed or self.cfg.find_unused_parameters:
             return []
-        return [n for n, p in self.named_params if p.requires_grad and p.grad is None]
+        try:
+            self.model._check_reducer_finalized()  # one C++ call: every bucket was reduced
+            return []
+        except RuntimeError as exc:
+            unready = self._unready_parameters(str(exc))
+        if not unready:
+            raise StepAbandoned(f"step {self.global_step + 1}: DDP did not reduce every gradient on rank "
+                                f"{self.env.rank}, and which parameters it waits for is unknown: {exc}")
+        try:
+            torch.autograd.backward([p.sum() * 0.0 for _, p in unready])
+        except RuntimeError as completion_exc:
+            raise StepAbandoned(f"step {self.global_step + 1}: parameters without gradients on rank "
+                                f"{self.env.rank} ({', '.join(n for n, _ in unready)}), and their all-reduce "
+                                f"could not be completed: {completion_exc}") from completion_exc
+        return [n for n, _ in unready]
+
+    def _unready_parameters(self, reducer_error: str) -> list:
+        """(name, parameter) of those DDP's reducer still waits for: its error lists their indices among the
+        parameters that require gradients; failing that, those without a gradient (exact without accumulation,
+        whose gradients start the step as None)."""
+        trained = [(n, p) for n, p in self.named_params if p.requires_grad]
+        found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", reducer_error)
+        indices = [int(i) for i in found.group(1).split()] if found else []
+        if indices and max(indices) < len(trained):
+            return [trained[i] for i in indices]
+        return [(n, p) for n, p in trained if p.grad is None]
 
     def _raise_collectively(self, mine: Optional[str], save: bool = False) -> None:
         """Every rank learns every rank's error, logs them, and raises the same error; with

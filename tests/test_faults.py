@@ -457,6 +457,50 @@ def test_unused_parameters_fail_at_the_first_step_with_names_and_the_flag(tmp_pa
     assert spawn(_unused, 2, str(tmp_path / "b"), True) == ["completed", "completed"]
 
 
+class SometimesAux(nn.Module):
+    """An MLP whose `aux` layer takes part unless `skip` is set: a data-dependent branch."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.aux, self.out, self.skip = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 1), False
+
+    def forward(self, x):
+        h = torch.relu(self.fc(x))
+        return self.out(h if self.skip else h + self.aux(h))
+
+
+def _unused_on_one_rank(rank, world_size, root, grad_accum_steps):
+    model, calls = SometimesAux(), [0]
+
+    def loss_fn(m, batch):  # rank 1 leaves `aux` out of the last micro-step of step 3
+        calls[0] += m.training
+        model.skip = rank == 1 and m.training and calls[0] == 3 * grad_accum_steps
+        return nn.functional.mse_loss(m(batch["x"]), batch["y"], reduction="sum"), len(batch["x"])
+    cfg = cfg_for(root, batch_size=4, max_steps=6, dist_timeout=20, grad_accum_steps=grad_accum_steps)
+    try:
+        DDPTrainer(rank=rank, world_size=world_size, config=cfg, model=model, train_dataset=IdsAndFeatures(64),
+                   loss_fn=loss_fn).train()
+        return "completed"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+@pytest.mark.parametrize("grad_accum_steps", [1, 2])
+def test_parameters_unused_on_one_rank_only_fail_the_step_on_every_rank_with_their_names(tmp_path,
+                                                                                         grad_accum_steps):
+    """The rank that left `aux` out never reduced its bucket, while the other waited in that all-reduce: the
+    first rank's next collective met it, and gloo aborted the process ('Received data size doesn't match').
+    Under accumulation `aux` has a gradient from the earlier micro-step, so it is not the one without one."""
+    t0 = time.time()
+    results = spawn(_unused_on_one_rank, 2, str(tmp_path), grad_accum_steps, timeout=90)
+    for msg in results:
+        assert msg.startswith("StepFailed: step 3 failed on rank 1: parameters without gradients: aux.weight, "
+                              "aux.bias"), results
+        assert "find_unused_parameters" in msg
+    assert time.time() - t0 < 20  # at once, not after dist_timeout
+
+
 def _uneven(rank, world_size):
     rt.setup_distributed(rank, world_size, device="cpu")
     try:
