@@ -1411,10 +1411,11 @@ class DDPTrainer:
             self.model._check_reducer_finalized()  # one C++ call: every bucket was reduced
             return []
         except RuntimeError as exc:
-            unready = self._unready_parameters(str(exc))
+            reducer_error = str(exc)
+        unready = self._unready_parameters(reducer_error)
         if not unready:
             raise StepAbandoned(f"step {self.global_step + 1}: DDP did not reduce every gradient on rank "
-                                f"{self.env.rank}, and which parameters it waits for is unknown: {exc}")
+                                f"{self.env.rank}, and which parameters it waits for is unknown: {reducer_error}")
         try:
             torch.autograd.backward([p.sum() * 0.0 for _, p in unready])
         except RuntimeError as completion_exc:
