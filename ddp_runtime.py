@@ -204,22 +204,46 @@ def setup_distributed(rank: int, world_size: int, local_rank: Optional[int] = No
     chosen = pick_backend(backend, "cuda" if use_cuda else "cpu")
     if chosen == "nccl" and not use_cuda:
         raise ValueError("the nccl backend needs CUDA; use --dist-backend gloo on the CPU")
-    if dist.is_initialized():
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if dist.is_initialized():  # the caller's group (or an earlier trainer's): used, and left to its owner
         if dist.get_world_size() != world_size or dist.get_rank() != rank:
             raise RuntimeError(f"a process group already exists as rank {dist.get_rank()}/"
                                f"{dist.get_world_size()}, not {rank}/{world_size}")
+        _start_roll_call(timeout)
         return DistEnv(rank, local_rank, world_size, dist.get_backend(), dev)
     for var in ("MASTER_ADDR", "MASTER_PORT"):
         if var not in os.environ:
             raise RuntimeError(f"world_size={world_size} needs {var} in the environment "
                                f"(torchrun, SLURM or --nproc set it for you)")
-    dist.init_process_group(backend=chosen, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s),
-                            device_id=dev if chosen == "nccl" else None)
-    global _roll_call_group
-    if chosen == "gloo":  # see missing_ranks
-        _roll_call_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(backend=chosen, store=_group_store(rank, world_size, timeout), rank=rank,
+                            world_size=world_size, timeout=timeout, device_id=dev if chosen == "nccl" else None)
+    global _own_group
+    _own_group = True
+    _start_roll_call(timeout)
     return DistEnv(rank, local_rank, world_size, chosen, dev)
+
+
+# Whether the default group is the kit's (teardown_distributed leaves it), and how many the kit has made here
+_own_group = False
+_groups_made = 0
+
+
+def _group_store(rank: int, world_size: int, timeout: datetime.timedelta):
+    """The env:// rendezvous store, under a prefix of its own for each group this process makes. torchrun's
+    store outlives a group: a second group under torch's fixed prefix (a second trainer's, or one the script
+    makes after train()) met the first one's keys there, and its ranks hung in set-up. Every rank makes its
+    groups in the same order, so the prefixes agree."""
+    global _groups_made
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    _groups_made += 1
+    return dist.PrefixStore(f"ddp_kit_group_{_groups_made}", store)
+
+
+def _start_roll_call(timeout: datetime.timedelta) -> None:
+    global _roll_call_group
+    if dist.get_backend() == "gloo" and _roll_call_group is None:  # see missing_ranks
+        _roll_call_group = dist.new_group(backend="gloo", timeout=timeout)
 
 
 def set_collective_timeout(seconds: float) -> None:
@@ -314,14 +338,18 @@ def read_failure_markers(log_dir, exclude: int, wait_s: float, world_size: Optio
 
 
 def teardown_distributed(synchronize: bool = False) -> None:
-    """Leave the process group; after a clean finish all ranks leave together, so no rank tears
-    down its connections while a peer still uses them."""
-    global _roll_call_group
+    """Leave the process group the kit made; after a clean finish all ranks leave together, so no rank tears
+    down its connections while a peer still uses them. A group the caller made stays theirs, to use after
+    train() and to destroy (only the kit's roll-call group in it goes)."""
+    global _roll_call_group, _own_group
     if dist.is_available() and dist.is_initialized():
         if synchronize:
             dist.barrier()
-        dist.destroy_process_group()
-    _roll_call_group = None
+        if _own_group:
+            dist.destroy_process_group()
+        elif _roll_call_group is not None:
+            dist.destroy_process_group(_roll_call_group)
+    _roll_call_group, _own_group = None, False
 
 
 def refuse(message: str, show: bool = True) -> int:

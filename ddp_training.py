@@ -892,7 +892,7 @@ class DDPTrainer:
     synthetic Markov chain.
     """
 
-    def __init__(self, rank: int = 0, world_size: int = 1, config: Optional[dict] = None, *,
+    def __init__(self, rank: Optional[int] = None, world_size: Optional[int] = None, config: Optional[dict] = None, *,
                  local_rank: Optional[int] = None, model: Optional[nn.Module] = None,
                  train_dataset=None, val_dataset=None, test_dataset=None,
                  loss_fn: Optional[LossFn] = None, collate_fn=None,
@@ -906,6 +906,13 @@ class DDPTrainer:
         # what else a resume must find unchanged, by name (the loss's definition, the validation set: the best
         # validation loss so far was measured with them)
         self.resume_must_match = dict(resume_must_match or {})
+        if rank is None and world_size is None:  # as the launcher (torchrun, SLURM) says; a plain process is 0 of 1
+            launch = rt.detect_launch_env()
+            rank, world_size = launch["rank"], launch["world_size"]
+            local_rank = launch["local_rank"] if local_rank is None else local_rank
+        elif rank is None or world_size is None:
+            raise ValueError(f"DDPTrainer: give rank and world_size together, or neither (taken from the "
+                             f"launcher's environment); got rank={rank}, world_size={world_size}")
         self.env = rt.setup_distributed(rank, world_size, local_rank, cfg.dist_backend, cfg.device,
                                         max(cfg.dist_timeout, cfg.first_step_timeout))
         try:
@@ -937,6 +944,11 @@ class DDPTrainer:
                      "or drop it" if holder.startswith(rt.RunDirLock.this_process()) else
                      "another run (or the ranks of one whose launcher was killed); stop it, or give this run "
                      "another run_name")
+            launch = rt.detect_launch_env()
+            if launch["world_size"] != env.world_size:
+                whose += (f" (the launcher says this process is rank {launch['rank']} of {launch['world_size']}, "
+                          f"but this trainer was given world_size={env.world_size}: leave rank and world_size "
+                          f"out to take them from the launcher)")
             raise RunDirInUse(f"the run dirs (log_dir {cfg.log_dir}, checkpoint_dir {cfg.checkpoint_dir}) are in "
                               f"use by {holder}: {whose}")
         self.log = rt.setup_logger(cfg.log_dir, env.rank, cfg.debug)

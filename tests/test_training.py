@@ -516,6 +516,8 @@ def test_a_peers_failure_is_told_from_this_ranks_own_by_gloos_words_not_by_a_pat
 def test_unknown_config_key_names_the_key(tmp_path):
     with pytest.raises(ValueError, match="unknown config key 'batchsize'"):
         DDPTrainer(config={"batchsize": 4})
+    with pytest.raises(ValueError, match=r"give rank and world_size together, or neither .* got rank=1, world_size=None"):
+        DDPTrainer(rank=1, config={"batch_size": 4})
     with pytest.raises(ValueError, match="'lr_schedule' must be one of"):
         TrainConfig.from_dict({"lr_schedule": "linear"})
 
@@ -744,6 +746,49 @@ def test_torchrun_two_ranks(tmp_path):
     r = run(torchrun(2, "ddp_training.py", "--cpu", "--test", "--log_dir", "logs", "--checkpoint_dir", "ckpt"),
             cwd=tmp_path, timeout=180)
     check_two_rank_run(tmp_path, r)
+
+
+TRAINERS_IN_ONE_PROCESS = """
+import os, sys
+import torch, torch.distributed as dist
+from ddp_training import DDPTrainer
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+cfg = dict(hidden_size=16, num_layers=1, num_heads=2, seq_len=16, dataset_size=256, batch_size=8, max_steps=3,
+           val_interval=0, device="cpu", resume="none", dist_timeout=30)
+
+def stage(name, *ranks):
+    s = DDPTrainer(*ranks, config=dict(cfg, log_dir=name, checkpoint_dir=name)).train()
+    print(f"rank {rank} {name}: {s['status']} {s['steps']} steps on {s['world_size']} ranks", flush=True)
+
+stage("pretrain", rank, world)  # the kit makes its group and leaves it
+stage("finetune")  # rank and world size from torchrun's variables; a second group of the kit's own, on
+                   # torchrun's store that still holds the first one's keys
+dist.init_process_group("gloo")  # the script's own group, on that store too: the trainers use it, leave it alone
+stage("own-group", rank, world)
+trainer = DDPTrainer(config=dict(cfg, log_dir="evaluated", checkpoint_dir="evaluated"))
+summary = trainer.train()
+print(f"rank {rank} evaluate after train: {abs(trainer.evaluate()['loss'] - summary['final_val_loss']) < 1e-6}")
+t = torch.ones(1)
+dist.all_reduce(t)
+print(f"rank {rank} all_reduce after train: {t.item():g}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.multi
+def test_trainers_one_after_another_and_a_group_of_the_scripts_own_under_torchrun(tmp_path):
+    """Two trainers in one torchrun process hung in the second one's set-up (its group met the first one's keys
+    on torchrun's store); a group the script made was destroyed by train(), so the script's own collectives
+    and its destroy_process_group() after train() failed ('Default process group has not been initialized');
+    a trainer built without rank and world_size was rank 0 of 1 on both processes, whatever torchrun said."""
+    (tmp_path / "stages.py").write_text(TRAINERS_IN_ONE_PROCESS)
+    r = run(torchrun(2, tmp_path / "stages.py"), cwd=tmp_path, timeout=180)
+    assert r.returncode == 0, r.stdout[-3000:]
+    for rank in (0, 1):
+        for name in ("pretrain", "finetune", "own-group"):
+            assert f"rank {rank} {name}: completed 3 steps on 2 ranks" in r.stdout, r.stdout[-3000:]
+        assert f"rank {rank} evaluate after train: True" in r.stdout
+        assert f"rank {rank} all_reduce after train: 2" in r.stdout
 
 
 @pytest.mark.multi
