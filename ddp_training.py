@@ -18,6 +18,7 @@ import collections.abc
 import contextlib
 import dataclasses
 import hashlib
+import io
 import json
 import logging
 import math
@@ -639,6 +640,51 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: floa
 LossFn = Callable[[nn.Module, Any], tuple]
 
 
+# Names the train and val records (and evaluate()'s result) give their own fields: an extra of the loss named
+# so would replace the loss that early stopping and the best checkpoint read, or the step number
+RECORD_FIELDS = frozenset({"type", "step", "epoch", "loss", "count", "mfu", "lr", "grad_norm", "samples_per_s",
+                           "skipped", "time", "steps_per_epoch", "loss_floor"})
+
+
+def check_extra_names(names, count_unit: str) -> None:
+    taken = sorted(n for n in names if n in RECORD_FIELDS or n == f"{count_unit}_per_s")
+    if taken:
+        raise ValueError(f"loss_fn returned the extras {taken}, names the metrics records use for their own "
+                         f"fields ({sorted(RECORD_FIELDS)}); rename them")
+
+
+def check_plain(name: str, value, where: str) -> None:
+    """A value that must compare with == and load with weights_only=True: None, bool, int, float, str, and
+    lists, tuples and str-keyed dicts of them."""
+    if value is None or type(value) in (bool, int, float, str):
+        return
+    if type(value) in (list, tuple):
+        for i, v in enumerate(value):
+            check_plain(f"{name}[{i}]", v, where)
+        return
+    if type(value) is dict and all(type(k) is str for k in value):
+        for k, v in value.items():
+            check_plain(f"{name}[{k!r}]", v, where)
+        return
+    raise TypeError(f"{where}: {name} is {type(value).__name__} {str(value):.80}; expected None, bool, int, float, str "
+                    f"or lists and str-keyed dicts of them (int(x), float(x), x.tolist() convert numpy and torch "
+                    f"values)")
+
+
+def check_loadable(extra: dict, where: str) -> None:
+    """Each value of `extra` loads back with torch.load(weights_only=True), as every checkpoint is read."""
+    for key, value in extra.items():
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        buffer.seek(0)
+        try:
+            torch.load(buffer, weights_only=True)
+        except Exception as exc:  # noqa: BLE001 -- which error says what weights_only refuses; named below
+            raise TypeError(f"{where}: the value of {key!r} ({type(value).__name__}) would not load back with "
+                            f"torch.load(weights_only=True), as checkpoints are read: {str(exc).splitlines()[0]}; "
+                            f"give tensors, numbers, strings, or lists and dicts of them") from None
+
+
 def loss_terms(out) -> tuple:
     """What loss_fn returned, checked: (loss_sum, count, extras), each of one element; a mistake is a
     TypeError that names loss_fn and what it returned (not an error deep inside the step)."""
@@ -860,6 +906,10 @@ def evaluate_model(model: nn.Module, loader, loss_fn: LossFn, device: torch.devi
         raise EvaluationFailed("evaluation failed on " + "; ".join(failed)) from failure
     # A rank whose shard is empty saw no extras; every rank must pack the same names.
     names = sorted(set().union(*(n for n, _ in reports)))
+    taken = [n for n in names if n in ("loss", "count")]
+    if taken:  # the same names on every rank: every rank raises
+        raise ValueError(f"loss_fn returned the extras {taken}, names evaluate() gives the loss and the count; "
+                         f"rename them")
     zero = torch.zeros((), dtype=torch.float64, device=device)
     reduced = rt.all_reduce_tensor(torch.stack([total[0], total[1]] + [extras.get(n, zero) for n in names])
                                    ).tolist()
@@ -906,6 +956,8 @@ class DDPTrainer:
         # what else a resume must find unchanged, by name (the loss's definition, the validation set: the best
         # validation loss so far was measured with them)
         self.resume_must_match = dict(resume_must_match or {})
+        for key, value in self.resume_must_match.items():  # compared with ==, saved in states read weights_only
+            check_plain(repr(key), value, "resume_must_match")
         if rank is None and world_size is None:  # as the launcher (torchrun, SLURM) says; a plain process is 0 of 1
             launch = rt.detect_launch_env()
             rank, world_size = launch["rank"], launch["world_size"]
@@ -965,7 +1017,7 @@ class DDPTrainer:
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
 
         self.data_info: dict = {}
-        builtin_data = model is None
+        builtin_data, user_extra = model is None, checkpoint_extra
         if builtin_data:
             model, (train_dataset, val_dataset, test_dataset) = self._builtin_lm()
             checkpoint_extra = {"model_config": model.config, **(checkpoint_extra or {})}
@@ -978,6 +1030,12 @@ class DDPTrainer:
         self.train_dataset = train_dataset  # the loader may wrap it (per-sample seeds in workers)
         self._check_ranks_have_the_same_data(train_dataset, val_dataset, test_dataset)
         self._set_loss(loss_fn, count_unit, builtin_data)
+        own = {weights_key, "global_step", "val_loss"} | ({"model_config"} if builtin_data else set())
+        taken = sorted(own & set(user_extra or {}))
+        if taken:
+            raise ValueError(f"checkpoint_extra: the keys {taken} are the checkpoint's own ({sorted(own)}): the "
+                             f"weights or the step would be replaced in every file; give them other names")
+        check_loadable(user_extra or {}, "checkpoint_extra")
         self.checkpoint_extra = checkpoint_extra or {}
         self.weights_key = weights_key
 
@@ -1198,6 +1256,10 @@ class DDPTrainer:
             if any(names != seen[0] for names in seen):  # every rank knows it: fail together, nothing to save
                 raise StepFailed("loss_fn returned different extras on different ranks at the first step: "
                                  + "; ".join(f"rank {r}: {names}" for r, names in enumerate(seen)))
+            try:
+                check_extra_names(mine, self.count_unit)
+            except ValueError as exc:
+                raise StepFailed(f"step {self.global_step + 1}: {exc}") from None
             self.extra_names = mine
         return self.extra_names
 

@@ -568,6 +568,42 @@ def test_a_rank_with_an_empty_test_shard_adds_nothing_to_the_test_loss(tmp_path)
     assert losses[0] == losses[1] == pytest.approx(alone["loss"], rel=1e-6)
 
 
+def test_names_and_values_that_would_replace_or_lose_what_the_kit_saves_are_refused(tmp_path, no_launch_env):
+    """Found by a user-journey review: checkpoint_extra={"model": ...} replaced the weights in every file, and
+    an extra named "loss" the validation loss that early stopping and the best checkpoint read (both without
+    a word); a numpy number in resume_must_match made every state fail to resume (weights_only), and a tensor
+    there failed the comparison; a numpy array in checkpoint_extra made the weights files unloadable."""
+    from ddp_training import StepFailed, evaluate_model, lm_loss
+    data = _markov(QUICK)
+    cfg = {**QUICK, **dirs(tmp_path), "max_steps": 2, "val_interval": 0}
+    custom = dict(model=CausalLM(64, 32, 2, 2, 32), train_dataset=data.train, val_dataset=data.val)
+    with pytest.raises(ValueError, match=r"checkpoint_extra: the keys \['global_step', 'model'\] are the checkpoint's own"):
+        DDPTrainer(config=cfg, checkpoint_extra={"model": "mlp-8-16-3", "global_step": "n/a", "arch": "mlp"}, **custom)
+    with pytest.raises(TypeError, match=r"checkpoint_extra: the value of 'classes' \(ndarray\) would not load back"):
+        DDPTrainer(config=cfg, checkpoint_extra={"classes": np.arange(3)}, **custom)
+    for bad, named in (({"image_size": np.int64(32)}, r"'image_size' is int64 32"),
+                       ({"weights": {"class": torch.tensor([1.0, 2.0])}}, r"'weights'\['class'\] is Tensor")):
+        with pytest.raises(TypeError, match="resume_must_match: " + named):
+            DDPTrainer(config=cfg, resume_must_match=bad, **custom)
+
+    def with_extras(model, batch):
+        s, c = lm_loss(model, batch)
+        return s, c, {"loss": s.detach() * 0, "accuracy": c}
+    trainer = DDPTrainer(config=cfg, loss_fn=with_extras, **custom)
+    with pytest.raises(StepFailed, match=r"step 1: loss_fn returned the extras \['loss'\], names the metrics records"):
+        trainer.train()
+    loader = torch.utils.data.DataLoader(data.val, batch_size=16)
+    with pytest.raises(ValueError, match=r"extras \['loss'\], names evaluate\(\) gives the loss and the count"):
+        evaluate_model(custom["model"], loader, with_extras, torch.device("cpu"))
+    # what is allowed still saves and resumes: tensors in checkpoint_extra, plain values in resume_must_match
+    run = {**cfg, **dirs(tmp_path / "ok")}
+    fine = dict(checkpoint_extra={"classes": torch.arange(3), "arch": "lm"}, resume_must_match={"size": [32, 32]})
+    DDPTrainer(config=run, **fine, **custom).train()
+    saved = torch.load(tmp_path / "ok" / "ckpt" / "model_final.pt", weights_only=True)
+    assert saved["classes"].tolist() == [0, 1, 2] and saved["arch"] == "lm" and "model" in saved
+    assert DDPTrainer(config={**run, "max_steps": 3}, **fine, **custom).train()["resumed_from"] is not None
+
+
 def test_resolved_config_and_example_configs_load(tmp_path, no_launch_env):
     import dataclasses
     from ddp_training import config_from_yaml
