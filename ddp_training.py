@@ -111,7 +111,7 @@ HELP = {
     "keep_states": "resumable states kept, newest first; 0 = all",
     "async_checkpoint": "rank 0 writes checkpoints on a background thread from a host copy",
     "max_errors_per_epoch": "batches that may fail to load per epoch before the run stops",
-    "max_bad_steps": "consecutive skipped steps (non-finite, or nothing counted) before the run stops",
+    "max_bad_steps": "the run stops at this many skipped steps in a row (non-finite, or nothing counted)",
 }
 
 
@@ -1056,7 +1056,8 @@ class DDPTrainer:
         self.stepped = False  # this process completed a step (DDP has seen a whole backward)
         self._metrics_file = None
         self.state_step: Optional[int] = None  # the step of the newest resumable state this run saved
-        self.step_file_step: Optional[int] = None  # the step of the newest <prefix>_step_N.pt this run saved
+        # (step, tags) of the step and epoch weights files saved at `step` before its validation, if any
+        self.unvalidated_files: tuple = (None, [])
 
         for name, value in self.FRESH_COUNTERS.items():
             setattr(self, name, value)
@@ -1726,10 +1727,12 @@ class DDPTrainer:
             self.log.info("no resumable state in %s: starting fresh", self.ckpt_dir)
             return None
         self.state_step = self.global_step
-        # a validation redone at this step writes its step file again (rank 0 sees it: saves are collective)
-        if rt.broadcast_object(self.checkpoint_path(f"step_{self.global_step}").exists() if self.env.is_main
-                               else None):
-            self.step_file_step = self.global_step
+        # a validation redone at this step writes its step and epoch files again (rank 0 sees them: saves are
+        # collective); an epoch file is this step's when the state is at an epoch's end
+        tags = [f"step_{self.global_step}"] + ([f"epoch_{self.epoch}"] if self.step_in_epoch == 0 else [])
+        if self.env.is_main:
+            tags = [t for t in tags if self.checkpoint_path(t).exists()]
+        self.unvalidated_files = (self.global_step, rt.broadcast_object(tags if self.env.is_main else None))
         self.log.info("resumed from %s at step %d (epoch %d, %d steps into it)", chosen,
                       self.global_step, self.epoch, self.step_in_epoch)
         if isinstance(self.train_dataset, torch.utils.data.IterableDataset) and self.step_in_epoch:
@@ -1872,8 +1875,11 @@ class DDPTrainer:
                              "non-finite values; it counts as no improvement", self.global_step, res["loss"])
         if self.state_step == self.global_step:  # that state predates this validation: the run's end saves again
             self.state_step = None
-        if self.step_file_step == self.global_step:  # written before this validation (the epoch's, the run's end)
-            self.save_checkpoint(f"step_{self.global_step}")  # again, now with the loss of its weights
+        step, tags = self.unvalidated_files
+        if step == self.global_step:  # written before this validation (the epoch's, the run's end)
+            for tag in tags:
+                self.save_checkpoint(tag)  # again, now with the loss of its weights
+        self.unvalidated_files = (None, [])
         # Patience counts from the last improvement by more than min_delta, so many small steps do not
         # reset it (as in Keras and Lightning); the best checkpoint follows every improvement.
         if res["loss"] < self.patience_ref - self.cfg.min_delta:
@@ -2145,8 +2151,7 @@ class DDPTrainer:
         cfg = self.cfg
         early = bool(cfg.val_interval) and self.global_step % cfg.val_interval == 0 and self._validate()
         if cfg.save_every_iters and self.global_step % cfg.save_every_iters == 0:
-            self.save_checkpoint(f"step_{self.global_step}")
-            self.step_file_step = self.global_step
+            self._save_weights_file(f"step_{self.global_step}")
             self.save_state()
         if r["write_failed"] or self.writer.retry_pending:
             self._save_again_after_a_failed_write()
@@ -2165,9 +2170,15 @@ class DDPTrainer:
         if not cfg.val_interval and self._validate():
             return "early_stopped"
         if cfg.save_interval and self.epoch % cfg.save_interval == 0:
-            self.save_checkpoint(f"epoch_{self.epoch}")
+            self._save_weights_file(f"epoch_{self.epoch}")
             self.save_state()
         return None
+
+    def _save_weights_file(self, tag: str) -> None:
+        """A step or epoch file; noted, so that a validation later at this step writes it again with its loss."""
+        self.save_checkpoint(tag)
+        step, tags = self.unvalidated_files
+        self.unvalidated_files = (self.global_step, (tags if step == self.global_step else []) + [tag])
 
     def _progress_bar(self):
         """tqdm on rank 0 when stdout is a terminal: it replaces the periodic step lines on the console

@@ -106,6 +106,11 @@ def test_checkpoint_cadence_and_names(tmp_path, no_launch_env):
     saved = {n: torch.load(tmp_path / "b" / "ckpt" / f"lm_{n}.pt", weights_only=True) for n in ("step_16", "epoch_1")}
     assert saved["step_16"]["val_loss"] == saved["epoch_1"]["val_loss"]
     assert "val_loss" not in torch.load(tmp_path / "b" / "ckpt" / "lm_step_8.pt", weights_only=True)
+    # so does an epoch file saved at the run's last step, validated only at the run's end (found by a review)
+    cfg = {**cfg, **dirs(tmp_path / "c"), "save_every_iters": 0, "val_interval": 100, "save_interval": 1}
+    s = DDPTrainer(config=cfg).train()
+    epoch = torch.load(tmp_path / "c" / "ckpt" / "lm_epoch_1.pt", weights_only=True)
+    assert (epoch["global_step"], epoch["val_loss"]) == (16, s["final_val_loss"])
 
 
 def test_target_loss_and_patience_stop_early(tmp_path, no_launch_env):
