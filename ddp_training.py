@@ -655,19 +655,19 @@ def check_extra_names(names, count_unit: str) -> None:
 
 def check_plain(name: str, value, where: str) -> None:
     """A value that must compare with == and load with weights_only=True: None, bool, int, float, str, and
-    lists, tuples and str-keyed dicts of them."""
+    lists, tuples and dicts of them (keys of the same plain kinds)."""
     if value is None or type(value) in (bool, int, float, str):
         return
     if type(value) in (list, tuple):
         for i, v in enumerate(value):
             check_plain(f"{name}[{i}]", v, where)
         return
-    if type(value) is dict and all(type(k) is str for k in value):
+    if type(value) is dict and all(k is None or type(k) in (bool, int, float, str) for k in value):
         for k, v in value.items():
             check_plain(f"{name}[{k!r}]", v, where)
         return
     raise TypeError(f"{where}: {name} is {type(value).__name__} {str(value):.80}; expected None, bool, int, float, str "
-                    f"or lists and str-keyed dicts of them (int(x), float(x), x.tolist() convert numpy and torch "
+                    f"or lists and dicts of them (int(x), float(x), x.tolist() convert numpy and torch "
                     f"values)")
 
 
@@ -1148,6 +1148,13 @@ class DDPTrainer:
         # replay after a forward that got that far must not broadcast again, or it meets the peers' gradient
         # all-reduce with a broadcast (see _accumulate)
         self.model.register_forward_pre_hook(self._note_ddp_forward)
+        # the reducer's own numbering of the parameters, which its errors use (those DDP ignores left out)
+        names = {id(p): n for n, p in self.named_params}
+        try:
+            params = self.model._build_params_for_reducer()[0]
+        except AttributeError:  # another torch: every parameter that requires a gradient, in module order
+            params = [p for _, p in self.named_params if p.requires_grad]
+        self.reducer_params = [(names.get(id(p), "?"), p) for p in params]
 
     def _note_ddp_forward(self, module, args) -> None:
         self.ddp_forward_entered = True
@@ -1500,15 +1507,14 @@ class DDPTrainer:
         return [n for n, _ in unready]
 
     def _unready_parameters(self, reducer_error: str) -> list:
-        """(name, parameter) of those DDP's reducer still waits for: its error lists their indices among the
-        parameters that require gradients; failing that, those without a gradient (exact without accumulation,
-        whose gradients start the step as None)."""
-        trained = [(n, p) for n, p in self.named_params if p.requires_grad]
+        """(name, parameter) of those DDP's reducer still waits for: its error lists their indices among its
+        parameters; failing that, those without a gradient (exact without accumulation, whose gradients start the
+        step as None)."""
         found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", reducer_error)
         indices = [int(i) for i in found.group(1).split()] if found else []
-        if indices and max(indices) < len(trained):
-            return [trained[i] for i in indices]
-        return [(n, p) for n, p in trained if p.grad is None]
+        if indices and max(indices) < len(self.reducer_params):
+            return [self.reducer_params[i] for i in indices]
+        return [(n, p) for n, p in self.reducer_params if p.grad is None]
 
     def _raise_collectively(self, mine: Optional[str], save: bool = False) -> None:
         """Every rank learns every rank's error, logs them, and raises the same error; with
@@ -1757,7 +1763,7 @@ class DDPTrainer:
         for key, value in self.resume_must_match.items():  # states before 25 Nov 2026, 17:00 hold no must_match,
             was = state.get("must_match", {}).get(key, value)  # and earlier ones no "model": not checked
             if isinstance(was, dict) and isinstance(value, dict):  # name the entries that differ
-                checks += [(f"{key} {k}", was.get(k), value.get(k)) for k in sorted(was.keys() | value.keys())]
+                checks += [(f"{key} {k}", was.get(k), value.get(k)) for k in sorted(was.keys() | value.keys(), key=repr)]
             else:
                 checks.append((key, was, value))
         for key, was, value in checks:

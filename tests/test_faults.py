@@ -470,8 +470,10 @@ class SometimesAux(nn.Module):
         return self.out(h if self.skip else h + self.aux(h))
 
 
-def _unused_on_one_rank(rank, world_size, root, grad_accum_steps):
+def _unused_on_one_rank(rank, world_size, root, grad_accum_steps, ignore_fc):
     model, calls = SometimesAux(), [0]
+    if ignore_fc:  # DDP leaves fc out of its numbering of the parameters, which its errors use
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ["fc.weight", "fc.bias"])
 
     def loss_fn(m, batch):  # rank 1 leaves `aux` out of the last micro-step of step 3
         calls[0] += m.training
@@ -486,14 +488,16 @@ def _unused_on_one_rank(rank, world_size, root, grad_accum_steps):
         return f"{type(exc).__name__}: {exc}"
 
 
-@pytest.mark.parametrize("grad_accum_steps", [1, 2])
+@pytest.mark.parametrize("grad_accum_steps, ignore_fc", [(1, False), (2, False), (1, True)],
+                         ids=["plain", "accumulation", "ddp-ignores-a-layer-before"])
 def test_parameters_unused_on_one_rank_only_fail_the_step_on_every_rank_with_their_names(tmp_path,
-                                                                                         grad_accum_steps):
+                                                                                         grad_accum_steps, ignore_fc):
     """The rank that left `aux` out never reduced its bucket, while the other waited in that all-reduce: the
     first rank's next collective met it, and gloo aborted the process ('Received data size doesn't match').
-    Under accumulation `aux` has a gradient from the earlier micro-step, so it is not the one without one."""
+    Under accumulation `aux` has a gradient from the earlier micro-step, so it is not the one without one.
+    Parameters DDP ignores are not in its numbering (naming fc for aux ended the step in StepAbandoned)."""
     t0 = time.time()
-    results = spawn(_unused_on_one_rank, 2, str(tmp_path), grad_accum_steps, timeout=90)
+    results = spawn(_unused_on_one_rank, 2, str(tmp_path), grad_accum_steps, ignore_fc, timeout=90)
     for msg in results:
         assert msg.startswith("StepFailed: step 3 failed on rank 1: parameters without gradients: aux.weight, "
                               "aux.bias"), results

@@ -602,7 +602,8 @@ def test_names_and_values_that_would_replace_or_lose_what_the_kit_saves_are_refu
         evaluate_model(custom["model"], loader, with_extras, torch.device("cpu"))
     # what is allowed still saves and resumes: tensors in checkpoint_extra, plain values in resume_must_match
     run = {**cfg, **dirs(tmp_path / "ok")}
-    fine = dict(checkpoint_extra={"classes": torch.arange(3), "arch": "lm"}, resume_must_match={"size": [32, 32]})
+    fine = dict(checkpoint_extra={"classes": torch.arange(3), "arch": "lm"},
+                resume_must_match={"size": [32, 32], "labels": {0: "negative", 1: "positive"}})
     DDPTrainer(config=run, **fine, **custom).train()
     saved = torch.load(tmp_path / "ok" / "ckpt" / "model_final.pt", weights_only=True)
     assert saved["classes"].tolist() == [0, 1, 2] and saved["arch"] == "lm" and "model" in saved
