@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import collections.abc
+import dataclasses
 import datetime
 import gc
 import hashlib
 import json
 import logging
+import numbers
 import os
 import queue
 import random
@@ -921,43 +924,81 @@ def stop_workers(loader: Any) -> None:
 
 
 def map_tensors(fn, obj: Any, leaf=None) -> Any:
-    """`obj` with `fn` applied to every tensor in it (nested lists, tuples, namedtuples and dicts), and to every
-    list or tuple that `leaf(seq)` says is one value; other leaves are kept as they are."""
+    """`obj` with `fn` applied to every tensor in it (nested lists, tuples, namedtuples, mappings such as dicts
+    and HF's BatchEncoding, and dataclasses), and to every list or tuple that `leaf(seq)` says is one value;
+    other leaves are kept as they are."""
     if isinstance(obj, torch.Tensor) or (leaf is not None and isinstance(obj, (list, tuple)) and leaf(obj)):
         return fn(obj)
+    return _rebuild(obj, lambda v, _: map_tensors(fn, v, leaf))
+
+
+def _rebuild(obj: Any, fn) -> Any:
+    """A container like `obj` whose items are fn(item, key); `obj` itself when it is no container."""
     if isinstance(obj, dict):
-        out = type(obj)((k, map_tensors(fn, v, leaf)) for k, v in obj.items())
+        out = type(obj)((k, fn(v, k)) for k, v in obj.items())
         if hasattr(obj, "_metadata"):  # a state_dict's module versions
             out._metadata = obj._metadata
         return out
+    if isinstance(obj, collections.abc.Mapping):  # UserDict, BatchEncoding: built from a dict
+        return type(obj)({k: fn(v, k) for k, v in obj.items()})
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: fn(getattr(obj, f.name), f.name)
+                                           for f in dataclasses.fields(obj) if f.init})
     if isinstance(obj, (list, tuple)):
-        items = [map_tensors(fn, v, leaf) for v in obj]
+        items = [fn(v, i) for i, v in enumerate(obj)]
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     return obj
 
 
+class NotSplittable(TypeError):
+    """A batch holds a value that cannot be divided by sample (a count for the whole batch)."""
+
+
 def split_batch(batch, part: int, parts: int):
-    """Samples part, part+parts, ... of a batch: its tensors along their first dimension, and lists of strings
-    with one per sample (ids, which default_collate keeps as a list) alike; other values stay whole (a list of
-    numbers the length of the batch may be anything: an image size)."""
+    """Samples part, part+parts, ... of a batch of n samples (batch_len): its tensors with n rows, and its
+    lists of n per-sample values (ids, which default_collate keeps as a list; variable-length tensors) alike.
+    A value that is not per sample cannot be divided: a number or a 0-dim tensor (a count would stay the whole
+    batch's in every part, and the loss shrink by `parts`) or a tensor of another length (time-major data);
+    NotSplittable names it. Strings and None stay whole."""
     n = batch_len(batch)
 
-    def per_sample(seq) -> bool:
-        return len(seq) == n and not hasattr(seq, "_fields") and all(isinstance(v, (str, bytes)) for v in seq)
-    return map_tensors(lambda x: x[part::parts], batch, leaf=per_sample)
+    def per_sample_list(x) -> bool:  # n strings or tensors that are not fields of n rows each
+        return (isinstance(x, (list, tuple)) and not hasattr(x, "_fields") and len(x) == n
+                and all(isinstance(v, (str, bytes, torch.Tensor)) for v in x)
+                and not all(isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == n for v in x))
+
+    def split(x, where: str):
+        if isinstance(x, torch.Tensor):
+            if x.dim() >= 1 and x.shape[0] == n:
+                return x[part::parts]
+            raise NotSplittable(f"{where} is a tensor of shape {tuple(x.shape)}, not {n} samples along its first "
+                                f"dimension")
+        if isinstance(x, numbers.Number):
+            raise NotSplittable(f"{where} is {type(x).__name__} {x}, one value for the whole batch")
+        if x is None or isinstance(x, (str, bytes)):
+            return x
+        if per_sample_list(x):
+            return x[part::parts]
+        return _rebuild(x, lambda v, key: split(v, f"{where}[{key!r}]"))
+    return split(batch, "batch")
 
 
 def batch_len(batch) -> int:
-    """Samples in a batch: the leading dimension of its first tensor."""
-    if isinstance(batch, torch.Tensor):
+    """Samples in a batch: the leading dimension of its first tensor of one dimension or more."""
+    if isinstance(batch, torch.Tensor) and batch.dim() >= 1:
         return batch.shape[0]
-    for item in (batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()):
-        if isinstance(item, (torch.Tensor, dict, list, tuple)):
-            try:
-                return batch_len(item)
-            except TypeError:
-                continue
-    raise TypeError(f"a batch holds no tensor: {type(batch).__name__}")
+    if isinstance(batch, collections.abc.Mapping):
+        items = list(batch.values())
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        items = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
+    else:
+        items = list(batch) if isinstance(batch, (list, tuple)) else []
+    for item in items:
+        try:
+            return batch_len(item)
+        except TypeError:
+            continue
+    raise TypeError(f"a batch holds no tensor of one dimension or more: {type(batch).__name__}")
 
 
 class _DispatchSampler:
@@ -1095,6 +1136,12 @@ class DispatchLoader:
         return _DispatchIterator(self)
 
 
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """A view as a tensor of its own: pickled to be sent, a view carries its whole storage (a row of a
+    preloaded dataset tensor sent every sample of it)."""
+    return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
+
+
 class _DispatchIterator:
     """One epoch of a DispatchLoader. A class, not a generator: a generator that raises is over, and
     after a batch that failed to load the epoch must go on."""
@@ -1123,7 +1170,7 @@ class _DispatchIterator:
         """Rank 0: the next global batch, one part per rank; None for every rank at the end of the data."""
         world_size = self.loader.world_size
         try:
-            return next(self.batches)
+            return [map_tensors(_compact, part) for part in next(self.batches)]
         except StopIteration:
             return [None] * world_size
         except Exception as exc:  # not one sample (a dead worker, a broken stream): the reader is done for

@@ -1229,7 +1229,18 @@ class DDPTrainer:
     # -- one optimizer step -----------------------------------------------------
 
     def _forward_backward(self, batch, last: bool, weight: float):
-        """One micro-step. Non-final micro-steps accumulate locally; only the last all-reduces."""
+        """One micro-step. Non-final micro-steps accumulate locally; only the last all-reduces. A replay (weight
+        zero) leaves the RNG streams as they were: its draws (dropout) depend on the spare batch's shape, which
+        differs in a resumed run (its first batch), and would make it differ from the uninterrupted one."""
+        if weight != 0:
+            return self._micro_step(batch, last, weight)
+        streams = rt.rng_state(self.env.device)
+        try:
+            return self._micro_step(batch, last, weight)
+        finally:
+            rt.set_rng_state(streams, self.env.device)
+
+    def _micro_step(self, batch, last: bool, weight: float):
         model = self.model
         batch = to_device(batch, self.env.device, self.non_blocking)
         # static_graph records the graph in DDP's first backward, which must all-reduce: that step syncs
@@ -1336,7 +1347,12 @@ class DDPTrainer:
             if fatal and not self.env.is_distributed:  # no collectives to keep: the step fails as it is
                 break
             if fatal or oom:  # this step is lost: keep the collectives, skip the work
-                batch, weight = self._tiny_spare(fatal or "out of memory"), 0.0
+                try:
+                    batch, weight = self._tiny_spare(fatal or "out of memory"), 0.0
+                except StepFailed:
+                    raise
+                except Exception as spare_exc:  # not in place of the error that lost the step
+                    raise self._abandoned(fatal, spare_exc) from spare_exc
             self.ddp_forward_entered = False
             try:
                 tally.add(*self._forward_backward(batch, last, weight))
@@ -1437,7 +1453,10 @@ class DDPTrainer:
         """Two samples of the spare batch: enough to complete this rank's collectives with weight zero (one
         is too few for BatchNorm in training mode), small enough to fit after an out-of-memory error."""
         spare = self._spare(why)
-        return rt.split_batch(spare, 0, (rt.batch_len(spare) + 1) // 2)  # samples 0 and (n + 1) // 2
+        try:
+            return rt.split_batch(spare, 0, (rt.batch_len(spare) + 1) // 2)  # samples 0 and (n + 1) // 2
+        except TypeError:  # NotSplittable, or no tensor to count samples by: with weight zero, the whole will do
+            return spare
 
     def _split_micro_batches(self, micro: list, ways: int, retry: bool = False) -> list:
         """Each micro-batch in `ways` pieces. A failed batch stays one error (counted by its first piece), and
@@ -1453,7 +1472,12 @@ class DDPTrainer:
             if isinstance(b, BatchError):
                 out.extend(dataclasses.replace(b, counted=b.counted and not retry and k == 0) for k in range(ways))
                 continue
-            out.extend(rt.split_batch(b, k, ways) for k in range(ways))
+            try:
+                out.extend(rt.split_batch(b, k, ways) for k in range(ways))
+            except TypeError as exc:  # the same batch layout on every rank: every rank stops here
+                raise StepFailed(f"step {self.global_step + 1}: out of memory, and its micro-batches cannot be split "
+                                 f"to retry with fewer samples: {exc}; lower batch_size, or give per-sample values "
+                                 f"(a count per sample, not one for the batch)") from None
         return out
 
     def _spare(self, why: str):

@@ -231,16 +231,40 @@ def test_memory_limit_counts_anonymous_memory_not_mapped_file_pages(tmp_path):
 # -- data loaders ---------------------------------------------------------------
 def test_a_batch_splits_its_tensors_and_its_lists_of_ids_alike():
     """What a replay or an out-of-memory retry cuts from a batch: the tensors and the ids default_collate keeps
-    as a list of strings, sample for sample; a list of numbers the length of the batch may be anything (an
-    image size), and stays whole, as does any other value."""
-    batch = {"x": torch.arange(6).view(3, 2), "id": ["a", "b", "c"], "size": [64, 64, 3], "task": "lm",
-             "pair": (torch.arange(3), torch.ones(3))}
+    as a list of strings, sample for sample, in dicts, mappings (HF's BatchEncoding is a UserDict), dataclasses
+    and namedtuples; a list of per-sample tensors of other lengths is cut as a list (each tensor was cut along
+    its own length). Strings stay whole."""
+    import collections
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+        ids: list
+    Pair = collections.namedtuple("Pair", "a b")
+    batch = {"x": torch.arange(6).view(3, 2), "id": ["a", "b", "c"], "task": "lm",
+             "pair": Pair(torch.arange(3), torch.ones(3)), "seqs": [torch.ones(1), torch.ones(4), torch.ones(5)],
+             "enc": collections.UserDict({"ids": torch.arange(3)}), "dc": Batch(torch.arange(3), ["a", "b", "c"])}
     part = rt.split_batch(batch, 1, 2)
-    assert part["x"].tolist() == [[2, 3]] and part["id"] == ["b"] and part["size"] == [64, 64, 3]
-    assert part["task"] == "lm" and part["pair"][0].tolist() == [1] and rt.batch_len(batch) == 3
+    assert part["x"].tolist() == [[2, 3]] and part["id"] == ["b"] and part["task"] == "lm"
+    assert isinstance(part["pair"], Pair) and part["pair"].a.tolist() == [1]
+    assert [len(t) for t in part["seqs"]] == [4]
+    assert isinstance(part["enc"], collections.UserDict) and part["enc"]["ids"].tolist() == [1]
+    assert isinstance(part["dc"], Batch) and part["dc"].x.tolist() == [1] and part["dc"].ids == ["b"]
+    assert rt.batch_len(batch) == 3 and rt.batch_len({"ntok": torch.tensor(9), "x": torch.zeros(4, 2)}) == 4
     assert rt.batch_len([["a", "b"], {"y": torch.zeros(2, 5)}]) == 2
     with pytest.raises(TypeError, match="a batch holds no tensor"):
         rt.batch_len(["a", "b"])
+    # not per sample: the split would keep the whole batch's value in each part (a count: the loss would halve)
+    for value, said in ((torch.tensor(12), r"batch\['v'\] is a tensor of shape \(\)"),
+                        (12, r"batch\['v'\] is int 12, one value for the whole batch"),
+                        (torch.zeros(7, 3), r"batch\['v'\] is a tensor of shape \(7, 3\), not 3 samples"),
+                        ([64, 64, 3], r"batch\['v'\]\[0\] is int 64")):
+        with pytest.raises(rt.NotSplittable, match=said):
+            rt.split_batch({"x": torch.zeros(3, 2), "v": value}, 0, 2)
+    # to_device goes into mappings and dataclasses too (a BatchEncoding stayed on the host)
+    moved = rt.map_tensors(lambda t: t.to("meta"), batch)
+    assert moved["enc"]["ids"].device.type == "meta" and moved["dc"].x.device.type == "meta"
 
 
 
