@@ -1169,6 +1169,9 @@ class DDPTrainer:
         if isinstance(train_dataset, torch.utils.data.IterableDataset) and cfg.data_strategy != "dispatch":
             raise ValueError("an iterable (streamed) training set cannot be sharded by index; "
                              "use data_strategy='dispatch' (--data_strategy dispatch)")
+        if isinstance(train_dataset, torch.utils.data.IterableDataset) and cfg.num_workers and env.is_main:
+            self.log.warning("num_workers=%d is not used for a stream: rank 0 reads it in its own process (each "
+                             "worker would yield the whole stream unless the dataset splits itself)", cfg.num_workers)
         if cfg.data_strategy == "dispatch":
             self.train_loader = rt.DispatchLoader(train_dataset, cfg.batch_size, rank=env.rank,
                                                   world_size=env.world_size, seed=cfg.seed, collate_fn=collate_fn,

@@ -114,6 +114,10 @@ def test_an_iterable_training_set_needs_dispatch(tmp_path, no_launch_env):
     with pytest.raises(ValueError, match="data_strategy dispatch"):
         DDPTrainer(config={**CFG, "log_dir": str(tmp_path)}, model=CausalLM(64, 32, 1, 2, 16),
                    train_dataset=Stream(data.train, 64))
+    # rank 0 reads a stream in its own process: workers asked for are not used, and the log says so
+    cfg = {**CFG, "log_dir": str(tmp_path / "w"), "data_strategy": "dispatch", "max_steps": 2, "num_workers": 1}
+    DDPTrainer(config=cfg, model=CausalLM(64, 32, 1, 2, 16), train_dataset=Stream(data.train, 64)).close()
+    assert "num_workers=1 is not used for a stream" in (tmp_path / "w" / "rank_0.log").read_text()
 
 
 def _too_small(rank, world_size, root):
