@@ -940,7 +940,11 @@ def _rebuild(obj: Any, fn) -> Any:
             out._metadata = obj._metadata
         return out
     if isinstance(obj, collections.abc.Mapping):  # UserDict, BatchEncoding: built from a dict
-        return type(obj)({k: fn(v, k) for k, v in obj.items()})
+        items = {k: fn(v, k) for k, v in obj.items()}
+        try:
+            return type(obj)(items)
+        except TypeError:  # a mapping that is not built from a dict: its items, in a dict
+            return items
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return dataclasses.replace(obj, **{f.name: fn(getattr(obj, f.name), f.name)
                                            for f in dataclasses.fields(obj) if f.init})

@@ -235,6 +235,7 @@ def test_a_batch_splits_its_tensors_and_its_lists_of_ids_alike():
     and namedtuples; a list of per-sample tensors of other lengths is cut as a list (each tensor was cut along
     its own length). Strings stay whole."""
     import collections
+    import collections.abc
     import dataclasses
 
     @dataclasses.dataclass
@@ -265,6 +266,13 @@ def test_a_batch_splits_its_tensors_and_its_lists_of_ids_alike():
     # to_device goes into mappings and dataclasses too (a BatchEncoding stayed on the host)
     moved = rt.map_tensors(lambda t: t.to("meta"), batch)
     assert moved["enc"]["ids"].device.type == "meta" and moved["dc"].x.device.type == "meta"
+
+    class TwoFields(collections.abc.Mapping):  # a mapping that is not built from a dict: its items, in a dict
+        def __init__(self, x, y):
+            self.d = {"x": x, "y": y}
+        __getitem__, __iter__, __len__ = (lambda s, k: s.d[k]), (lambda s: iter(s.d)), (lambda s: 2)
+    moved = rt.map_tensors(lambda t: t.to("meta"), TwoFields(torch.zeros(2), torch.ones(2)))
+    assert type(moved) is dict and moved["y"].device.type == "meta"
 
 
 
