@@ -988,21 +988,13 @@ def split_batch(batch, part: int, parts: int):
 
 
 def batch_len(batch) -> int:
-    """Samples in a batch: the leading dimension of its first tensor of one dimension or more."""
-    if isinstance(batch, torch.Tensor) and batch.dim() >= 1:
-        return batch.shape[0]
-    if isinstance(batch, collections.abc.Mapping):
-        items = list(batch.values())
-    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        items = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
-    else:
-        items = list(batch) if isinstance(batch, (list, tuple)) else []
-    for item in items:
-        try:
-            return batch_len(item)
-        except TypeError:
-            continue
-    raise TypeError(f"a batch holds no tensor of one dimension or more: {type(batch).__name__}")
+    """Samples in a batch: the leading dimension of its first tensor of one dimension or more (in the order
+    map_tensors walks it)."""
+    rows = []
+    map_tensors(lambda t: rows.append(t.shape[0]) if t.dim() >= 1 else None, batch)
+    if not rows:
+        raise TypeError(f"a batch holds no tensor of one dimension or more: {type(batch).__name__}")
+    return rows[0]
 
 
 class _DispatchSampler:

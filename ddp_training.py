@@ -646,11 +646,11 @@ RECORD_FIELDS = frozenset({"type", "step", "epoch", "loss", "count", "mfu", "lr"
                            "skipped", "time", "steps_per_epoch", "loss_floor"})
 
 
-def check_extra_names(names, count_unit: str) -> None:
-    taken = sorted(n for n in names if n in RECORD_FIELDS or n == f"{count_unit}_per_s")
+def check_extra_names(names, reserved, whose: str) -> None:
+    taken = sorted(n for n in names if n in reserved)
     if taken:
-        raise ValueError(f"loss_fn returned the extras {taken}, names the metrics records use for their own "
-                         f"fields ({sorted(RECORD_FIELDS)}); rename them")
+        raise ValueError(f"loss_fn returned the extras {taken}: {whose} has fields of these names already "
+                         f"({', '.join(sorted(reserved))}); rename them")
 
 
 def check_plain(name: str, value, where: str) -> None:
@@ -906,10 +906,7 @@ def evaluate_model(model: nn.Module, loader, loss_fn: LossFn, device: torch.devi
         raise EvaluationFailed("evaluation failed on " + "; ".join(failed)) from failure
     # A rank whose shard is empty saw no extras; every rank must pack the same names.
     names = sorted(set().union(*(n for n, _ in reports)))
-    taken = [n for n in names if n in ("loss", "count")]
-    if taken:  # the same names on every rank: every rank raises
-        raise ValueError(f"loss_fn returned the extras {taken}, names evaluate() gives the loss and the count; "
-                         f"rename them")
+    check_extra_names(names, ("loss", "count"), "evaluate()'s result")  # the same names on every rank: all raise alike
     zero = torch.zeros((), dtype=torch.float64, device=device)
     reduced = rt.all_reduce_tensor(torch.stack([total[0], total[1]] + [extras.get(n, zero) for n in names])
                                    ).tolist()
@@ -1279,7 +1276,7 @@ class DDPTrainer:
                 raise StepFailed("loss_fn returned different extras on different ranks at the first step: "
                                  + "; ".join(f"rank {r}: {names}" for r, names in enumerate(seen)))
             try:
-                check_extra_names(mine, self.count_unit)
+                check_extra_names(mine, RECORD_FIELDS | {f"{self.count_unit}_per_s"}, "a metrics record")
             except ValueError as exc:
                 raise StepFailed(f"step {self.global_step + 1}: {exc}") from None
             self.extra_names = mine

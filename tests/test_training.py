@@ -595,10 +595,10 @@ def test_names_and_values_that_would_replace_or_lose_what_the_kit_saves_are_refu
         s, c = lm_loss(model, batch)
         return s, c, {"loss": s.detach() * 0, "accuracy": c}
     trainer = DDPTrainer(config=cfg, loss_fn=with_extras, **custom)
-    with pytest.raises(StepFailed, match=r"step 1: loss_fn returned the extras \['loss'\], names the metrics records"):
+    with pytest.raises(StepFailed, match=r"step 1: loss_fn returned the extras \['loss'\]: a metrics record has fields of these names"):
         trainer.train()
     loader = torch.utils.data.DataLoader(data.val, batch_size=16)
-    with pytest.raises(ValueError, match=r"extras \['loss'\], names evaluate\(\) gives the loss and the count"):
+    with pytest.raises(ValueError, match=r"extras \['loss'\]: evaluate\(\)'s result has fields of these names already \(count, loss\)"):
         evaluate_model(custom["model"], loader, with_extras, torch.device("cpu"))
     # what is allowed still saves and resumes: tensors in checkpoint_extra, plain values in resume_must_match
     run = {**cfg, **dirs(tmp_path / "ok")}
