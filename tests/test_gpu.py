@@ -19,8 +19,8 @@ import ddp_runtime as rt
 from ddp_training import CausalLM, DDPTrainer, lm_loss, peak_bf16_flops
 from conftest import metrics
 from dist_helpers import free_ports
-from test_correctness import (LM, _run_trainer, _two_rank_runs, final_weights, rel, spawn_by_value, step_losses,
-                              to_numpy, to_torch)
+from test_correctness import (LM, _run_trainer, _two_rank_runs, final_weights, flat_state, rel, spawn_by_value,
+                              step_losses, to_numpy, to_torch)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -146,3 +146,120 @@ def test_single_gpu_stop_and_resume_continues_the_run(tmp_path, no_launch_env):
     assert [r["step"] for r in metrics(tmp_path / "logs", "train")] == list(range(1, 13))
     state = torch.load(tmp_path / "ckpt" / "model_state_step_10.pt", weights_only=True)
     assert "cuda" in state["rng"][0] and state["rng"][0]["torch"].device.type == "cpu"
+
+
+class OutOfMemoryAbove:
+    """lm_loss whose forward also asks the caching allocator for `per_row` bytes per sample of the micro-batch:
+    a real CUDA out-of-memory error (the CPU tests raise torch.OutOfMemoryError themselves)."""
+
+    def __init__(self, per_row: int):
+        self.per_row, self.ooms = per_row, 0
+
+    def __call__(self, model, batch):
+        s, c = lm_loss(model, batch)
+        if model.training:
+            try:  # allocated and freed at once: the request is the point
+                torch.empty(len(batch[0]) * self.per_row, dtype=torch.uint8, device=batch[0].device)
+            except torch.OutOfMemoryError:
+                self.ooms += 1
+                raise
+        return s, c
+
+
+def _lm_run(root: Path, loss_fn=None, **config) -> dict:
+    cfg = dict(GPU_LM, log_dir=str(root / "logs"), checkpoint_dir=str(root / "ckpt"), **config)
+    return DDPTrainer(rank=0, world_size=1, config=cfg, loss_fn=loss_fn).train()
+
+
+def test_a_real_cuda_out_of_memory_is_retried_with_halved_micro_batches(tmp_path, no_launch_env):
+    """16 samples ask for 1.12 times the card's memory, 8 for 0.56 times: the first step runs out of memory,
+    is retried in two micro-batches of 8 (which fit once the failed attempt's memory is released), and the
+    run trains as one without the error does, up to the order of sums."""
+    per_row = int(0.07 * torch.cuda.get_device_properties(0).total_memory)
+    ref = _lm_run(tmp_path / "ref", batch_size=16)
+    oom = OutOfMemoryAbove(per_row)
+    got = _lm_run(tmp_path / "oom", oom, batch_size=16)
+    assert ref["status"] == got["status"] == "completed" and got["steps"] == LM["max_steps"]
+    assert oom.ooms == 1 and got["skipped_steps"] == 0
+    assert "retrying step 1 with micro-batches split 2 ways" in (tmp_path / "oom" / "logs" / "rank_0.log").read_text()
+    a, b = (step_losses(tmp_path / d / "logs") for d in ("oom", "ref"))
+    assert len(a) == len(b) == LM["max_steps"] and all(abs(x - y) <= GPU_RTOL * y for x, y in zip(a, b)), (a, b)
+    # without the attention's qkv bias, whose key third has a zero gradient that AdamW turns from rounding
+    # noise into lr-sized steps (see tests/test_faults.py)
+    w = [flat_state({k: v for k, v in torch.load(tmp_path / d / "ckpt" / "model_final.pt", weights_only=True)
+                     ["model"].items() if not k.endswith("qkv.bias")}) for d in ("oom", "ref")]
+    assert rel(*w) < GPU_WEIGHT_RTOL
+
+
+def test_a_state_saved_on_the_cpu_resumes_on_the_gpu_and_back(tmp_path, no_launch_env):
+    """A run stopped on one device goes on on the other: the optimizer takes the new device's kernels (fused
+    AdamW on CUDA, foreach on the CPU) and its moments move with the weights; the losses after the resume are
+    those of a run that never stopped, to fp32 kernel differences."""
+    from test_resume import SignalAt
+    base = dict(GPU_LM, max_steps=10, save_every_iters=4, keep_states=0, batch_size=8, resume="auto")
+    ref = step_losses(_lm_run_dir(tmp_path / "ref", base, "cpu"))
+    for first, second in (("cpu", "cuda"), ("cuda", "cpu")):
+        root = tmp_path / f"{first}_then_{second}"
+        stopped = DDPTrainer(rank=0, world_size=1, loss_fn=SignalAt(6),
+                             config=dict(base, device=first, **_dirs(root))).train()
+        assert stopped["status"] == "interrupted" and stopped["steps"] == 6
+        done = DDPTrainer(rank=0, world_size=1, config=dict(base, device=second, **_dirs(root))).train()
+        assert done["status"] == "completed" and done["resumed_from"].endswith("model_state_step_6.pt")
+        state = torch.load(root / "ckpt" / "model_state_step_8.pt", weights_only=True)
+        groups = state["optimizer"]["param_groups"]
+        assert all(bool(g["fused"]) == (second == "cuda") and bool(g["foreach"]) == (second == "cpu") for g in groups)
+        losses = step_losses(root / "logs")
+        assert len(losses) == len(ref) == 10
+        assert all(abs(x - y) <= 1e-4 * y for x, y in zip(losses, ref)), (first, second, losses, ref)
+
+
+def _dirs(root: Path) -> dict:
+    return dict(log_dir=str(root / "logs"), checkpoint_dir=str(root / "ckpt"))
+
+
+def _lm_run_dir(root: Path, config: dict, device: str) -> Path:
+    DDPTrainer(rank=0, world_size=1, config=dict(config, device=device, **_dirs(root))).train()
+    return root / "logs"
+
+
+def test_mappings_and_dataclasses_of_pinned_tensors_reach_the_gpu(tmp_path, no_launch_env):
+    """A user's batches as a mapping (HF's BatchEncoding is a UserDict) holding a dataclass: the loader pins
+    them and the trainer copies every tensor in them to the GPU without blocking; the model trains there."""
+    import collections
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Targets:
+        y: torch.Tensor
+
+    class Points(torch.utils.data.Dataset):
+        def __init__(self):
+            g = torch.Generator().manual_seed(0)
+            self.x = torch.randn(256, 8, generator=g)
+            self.y = self.x @ torch.randn(8, 1, generator=g)
+
+        def __len__(self):
+            return len(self.x)
+
+        def __getitem__(self, i):
+            return self.x[i], self.y[i]
+
+    def collate(samples):
+        x, y = (torch.stack(v) for v in zip(*samples))
+        return collections.UserDict({"x": x, "targets": Targets(y)})
+
+    seen = []
+
+    def loss_fn(model, batch):
+        seen.append((type(batch).__name__, batch["x"].device.type, batch["targets"].y.device.type))
+        err = model(batch["x"]) - batch["targets"].y
+        return (err ** 2).sum(), torch.tensor(float(err.numel()), device=err.device)
+
+    cfg = dict(batch_size=32, max_steps=40, learning_rate=1e-1, weight_decay=0.0, warmup_steps=0, val_interval=0, log_interval=1,
+               device="cuda", pin_memory=True, resume="none", **_dirs(tmp_path))
+    summary = DDPTrainer(rank=0, world_size=1, config=cfg, model=torch.nn.Linear(8, 1), train_dataset=Points(),
+                         loss_fn=loss_fn, collate_fn=collate).train()
+    assert summary["status"] == "completed" and summary["steps"] == 40
+    assert set(seen) == {("UserDict", "cuda", "cuda")}
+    losses = step_losses(tmp_path / "logs")
+    assert sum(losses[-5:]) < 0.05 * sum(losses[:5])
