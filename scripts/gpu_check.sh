@@ -3,17 +3,22 @@
 # trainer through the launcher on the GPUs. Logs and run dirs go to OUTDIR (default gpu_check/). With
 # --bench, then the GPU benchmarks of BENCHMARKS.md (several minutes on an H100), each table in OUTDIR/bench_*.log;
 # --overhead runs only the two LM overhead tables of those; --workers_ab trains the vjepa2_ac predictor
-# WORKERS_AB_STEPS steps (default 150) with 0, 1, 2 and 4 loader workers over real-shape trajectories.
-#   bash scripts/gpu_check.sh [--bench | --overhead] [--workers_ab] [OUTDIR]
+# AB_STEPS steps (default 150) with AB_WORKERS loader workers (default "0 1 2 4") over real-shape
+# trajectories (AB_FILES, AB_COLD: see below); --compile_overhead runs the compiled LM overhead table of --bench;
+# --no_tests skips the tests and the launcher runs.
+#   bash scripts/gpu_check.sh [--no_tests] [--bench | --overhead] [--compile_overhead] [--workers_ab] [OUTDIR]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-bench=0 overhead=0 workers_ab=0
+tests=1 bench=0 overhead=0 compile_overhead=0 workers_ab=0
 while [[ "${1:-}" == --* ]]; do
     case "$1" in
-        --bench) bench=1 overhead=1 ;;
+        --no_tests) tests=0 ;;
+        --bench) bench=1 overhead=1 compile_overhead=1 ;;
         --overhead) overhead=1 ;;
+        --compile_overhead) compile_overhead=1 ;;
         --workers_ab) workers_ab=1 ;;
-        *) echo "unknown flag $1 (expected --bench, --overhead, --workers_ab)" >&2; exit 2 ;;
+        *) echo "unknown flag $1 (expected --no_tests, --bench, --overhead, --compile_overhead, --workers_ab)" >&2
+           exit 2 ;;
     esac
     shift
 done
@@ -37,34 +42,48 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 "$py" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda",
 torch.version.cuda, "nccl", torch.cuda.nccl.version(), "gpus", torch.cuda.device_count())' || status=1
 
-step pytest_gpu "$py" -m pytest -m gpu -v -p no:cacheprovider --durations=12
-step launch_lm ./launch_training.sh --test -l "$out/lm_test" -c "$out/lm_test/ckpt"
-step vj2_data "$py" create_synthetic_data.py --output_dir "$out/vj2_data/train" --num_files 4 \
-    --val_output_dir "$out/vj2_data/val" --val_fraction 0.25
-step launch_vj2 ./launch_training.sh --script vj2ac_train_multi_gpu.py --test -- \
-    --processed_data_dir "$out/vj2_data/train" --validation_data_dir "$out/vj2_data/val" \
-    --checkpoint_dir "$out/vj2_test"
+if [[ $tests -eq 1 ]]; then
+    step pytest_gpu "$py" -m pytest -m gpu -v -p no:cacheprovider --durations=12
+    step launch_lm ./launch_training.sh --test -l "$out/lm_test" -c "$out/lm_test/ckpt"
+    step vj2_data "$py" create_synthetic_data.py --output_dir "$out/vj2_data/train" --num_files 4 \
+        --val_output_dir "$out/vj2_data/val" --val_fraction 0.25
+    step launch_vj2 ./launch_training.sh --script vj2ac_train_multi_gpu.py --test -- \
+        --processed_data_dir "$out/vj2_data/train" --validation_data_dir "$out/vj2_data/val" \
+        --checkpoint_dir "$out/vj2_test"
+fi
 gpt=(--device cuda --hidden_size 768 --num_layers 12 --num_heads 12 --seq_len 1024 --batch_size 16 --steps 100
      --warmup 10)
 if [[ $overhead -eq 1 ]]; then
     step bench_overhead "$py" benchmark.py overhead "${gpt[@]}" --repeats 3
     step bench_overhead_read_loss "$py" benchmark.py overhead "${gpt[@]}" --repeats 3 --bare_read_loss
 fi
-if [[ $bench -eq 1 ]]; then
+if [[ $compile_overhead -eq 1 ]]; then
     step bench_overhead_compile "$py" benchmark.py overhead "${gpt[@]}" --repeats 2 --compile --bare_read_loss
+fi
+if [[ $bench -eq 1 ]]; then
     step bench_checkpoint "$py" benchmark.py checkpoint --device cuda --sizes 1024x12 --repeats 3 --loop_saves 2 \
         --loop_save_every 200
     step bench_loader "$py" benchmark.py loader --device cuda --preset vjepa2_ac --workers 0,1,4 --train_warmup 5 \
         --train_steps 10
 fi
 if [[ $workers_ab -eq 1 ]]; then
-    # 96 trajectories (24 steps per epoch at batch 4, 384 MiB): the first epoch reads the disk, the later ones
-    # the page cache; one validation at the end (8 trajectories), no checkpoints but the final ones
-    step ab_data "$py" create_synthetic_data.py --output_dir "$out/ab_data/train" --num_files 12 \
-        --trajectories_per_file 8 --real_shapes --val_output_dir "$out/ab_data/val" --val_fraction 0.084
-    for w in 0 1 2 4; do
+    # AB_FILES files of 8 trajectories (default 12: 96 trajectories, 24 steps per epoch at batch 4, 384 MiB);
+    # with AB_COLD=1 the files are dropped from the page cache before each run, so the first epoch reads the
+    # disk (the later ones the cache: AB_FILES=60 and AB_STEPS=120 make one cold epoch). One validation at the
+    # end (8 trajectories), no checkpoints but the final ones.
+    step ab_data "$py" create_synthetic_data.py --output_dir "$out/ab_data/train" --num_files "${AB_FILES:-12}" \
+        --trajectories_per_file 8 --real_shapes --val_output_dir "$out/ab_data/val" \
+        --val_fraction "$("$py" -c "print(1.01 / ${AB_FILES:-12})")"
+    for w in ${AB_WORKERS:-0 1 2 4}; do
+        if [[ "${AB_COLD:-0}" == 1 ]]; then
+            sync
+            "$py" -c 'import os, sys
+for f in sys.argv[1:]:
+    fd = os.open(f, os.O_RDONLY); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED); os.close(fd)' \
+                "$out"/ab_data/train/*.npz || status=1
+        fi
         step "ab_workers_$w" "$py" vj2ac_train_multi_gpu.py --processed_data_dir "$out/ab_data/train" \
-            --validation_data_dir "$out/ab_data/val" --preset vjepa2_ac --max_steps "${WORKERS_AB_STEPS:-150}" \
+            --validation_data_dir "$out/ab_data/val" --preset vjepa2_ac --max_steps "${AB_STEPS:-150}" \
             --num_epochs 100 --val_every_iters 100000 --save_every_iters 0 --num_workers "$w" --resume none \
             --checkpoint_dir "$out/ab_workers_$w"
         rm -f "$out/ab_workers_$w"/*.pt  # 6 GB of checkpoints per run

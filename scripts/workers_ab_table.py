@@ -26,7 +26,7 @@ def row(run: Path) -> str:
 
 
 def main(out: str) -> None:
-    runs = sorted(Path(out).glob("ab_workers_*"), key=lambda p: int(p.name.rsplit("_", 1)[1]))
+    runs = sorted((p for p in Path(out).glob("ab_workers_*") if p.is_dir()), key=lambda p: int(p.name.rsplit("_", 1)[1]))
     if not runs:
         sys.exit(f"no ab_workers_<W> runs under {out}")
     for run in runs:
