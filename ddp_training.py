@@ -1418,7 +1418,7 @@ class DDPTrainer:
         g = dict(zip(keys, reduced), extras=reduced[len(keys):])
         if g["fatal"] or g["unused"]:
             self._raise_collectively(fatal or (f"parameters without gradients: {', '.join(unused)}"
-                                               if unused else None), save=bool(g["fatal"]))
+                                               if unused else None), save=True)
         if g["data_errors"]:
             self._count_data_errors(int(g["data_errors"]))
         return g, names, raw_norm_value
@@ -1466,7 +1466,7 @@ class DDPTrainer:
         # from what every rank knows alike (training batches are full): a rank whose batches all failed to
         # load must not go on into the step while the others stop
         if self.micro_splits > self.cfg.batch_size:
-            raise StepFailed(f"step {self.global_step + 1}: out of memory even with micro-batches of one sample")
+            raise self._cannot_retry("out of memory even with micro-batches of one sample")
         out = []
         for b in micro:
             if isinstance(b, BatchError):
@@ -1475,10 +1475,16 @@ class DDPTrainer:
             try:
                 out.extend(rt.split_batch(b, k, ways) for k in range(ways))
             except TypeError as exc:  # the same batch layout on every rank: every rank stops here
-                raise StepFailed(f"step {self.global_step + 1}: out of memory, and its micro-batches cannot be split "
-                                 f"to retry with fewer samples: {exc}; lower batch_size, or give per-sample values "
-                                 f"(a count per sample, not one for the batch)") from None
+                raise self._cannot_retry(f"out of memory, and its micro-batches cannot be split to retry with fewer "
+                                         f"samples: {exc}; lower batch_size, or give per-sample values (a count per "
+                                         f"sample, not one for the batch)") from None
         return out
+
+    def _cannot_retry(self, why: str) -> StepFailed:
+        """The out-of-memory retry cannot go on. Each rank decides it from what it holds, without a collective,
+        so rank 0 saves the last good weights (the failed step changed nothing) on its own."""
+        self._save_weights_here()
+        return StepFailed(f"step {self.global_step + 1}: {why}")
 
     def _spare(self, why: str):
         """A batch that loads, to replay with weight zero in place of one that failed (`why`); read by index,
@@ -1576,7 +1582,8 @@ class DDPTrainer:
         mine = self.local_errors[-1] if self.local_errors else None
         if self.epoch_data_errors > self.cfg.max_errors_per_epoch:
             self._raise_collectively(f"{mine} ({self.epoch_data_errors} data errors this epoch, "
-                                     f"max_errors_per_epoch={self.cfg.max_errors_per_epoch})" if mine else None)
+                                     f"max_errors_per_epoch={self.cfg.max_errors_per_epoch})" if mine else None,
+                                     save=True)
         self.log.warning("%d batch(es) failed to load at step %d (%d this epoch, max %d); the step uses the "
                          "other batches%s", n, self.global_step + 1, self.epoch_data_errors,
                          self.cfg.max_errors_per_epoch, f"; here: {mine}" if mine else "")

@@ -404,6 +404,13 @@ def test_data_errors_are_counted_collectively(tmp_path):
     failed = spawn(_flaky, 2, str(tmp_path / "b"), 0)
     for r in failed:
         assert "StepFailed" in r["error"] and "unreadable" in r["error"] and "max_errors_per_epoch=0" in r["error"]
+    assert_last_good_weights(tmp_path / "b", 0)  # the first batch of rank 0 is sample 0, which fails
+
+
+def assert_last_good_weights(root, step: int) -> None:
+    """A run that stopped on a failed step left the weights of the steps before it in <prefix>_interrupted.pt."""
+    saved = torch.load(root / "ckpt" / "model_interrupted.pt", weights_only=True)
+    assert saved["global_step"] == step
 
 
 def _flaky_two_epochs(root, max_errors):
@@ -503,6 +510,7 @@ def test_parameters_unused_on_one_rank_only_fail_the_step_on_every_rank_with_the
                               "aux.bias"), results
         assert "find_unused_parameters" in msg
     assert time.time() - t0 < 20  # at once, not after dist_timeout
+    assert_last_good_weights(tmp_path, 2)  # a data-dependent branch can do this at any step: work is kept
 
 
 def _uneven(rank, world_size):
@@ -867,6 +875,7 @@ def test_out_of_memory_with_a_count_for_the_whole_batch_stops_instead_of_halving
     with pytest.raises(StepFailed, match=r"step 2: out of memory, and its micro-batches cannot be split to retry with "
                                          r"fewer samples: batch\['n'\] is int 4, one value for the whole batch"):
         trainer.train()
+    assert_last_good_weights(tmp_path, 1)
 
 
 def _error_beside_a_batch_count(rank, world_size, root):
@@ -957,6 +966,7 @@ def test_out_of_memory_with_one_sample_batches_stops_every_rank_alike(tmp_path):
     # before: rank 0, with no real batch to split, went on into the step alone and met a dead peer there
     assert spawn(_oom_beside_a_failed_batch, 2, str(tmp_path), timeout=90) == \
         ["StepFailed: step 1: out of memory even with micro-batches of one sample"] * 2
+    assert_last_good_weights(tmp_path, 0)
 
 
 def _hung_write(rank, world_size, root):
