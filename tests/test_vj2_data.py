@@ -612,6 +612,16 @@ def test_actions_need_the_x_y_touch_channels(tmp_path):
         validate_npz(tmp_path / "two.npz")
 
 
+def test_actions_stored_channels_first_are_refused(tmp_path):
+    """[N, T-1, C, A] read as A=3 actions of 10 channels, all in range: it trained without a word."""
+    emb, act = good(2)
+    assert act.shape[2:] == (10, 3)
+    np.savez(tmp_path / "cf.npz", embeddings=emb, actions=np.ascontiguousarray(act.swapaxes(2, 3)))
+    with pytest.raises(DataFileError, match=r"cf.npz: key 'actions' has shape \(2, 3, 3, 10\), A=3 actions of C=10 "
+                                            r"channels, which is how actions stored channels-first"):
+        validate_npz(tmp_path / "cf.npz")
+
+
 def test_a_file_linked_twice_in_a_directory_is_refused_and_a_file_is_no_directory(tmp_path):
     gen.generate(tmp_path / "d", num_files=2, trajectories_per_file=2)
     (tmp_path / "d" / "latest.npz").symlink_to(tmp_path / "d" / "train_00001.npz")
