@@ -695,6 +695,11 @@ def close_logger(logger: logging.Logger) -> None:
 # Memory
 # ----------------------------------------------------------------------------
 
+# The readings MemoryManager.stats() gives, which train records carry every memory_check_interval steps
+MEMORY_FIELDS = frozenset({"cpu_rss_gb", "cpu_anon_gb", "cpu_peak_rss_gb", "cpu_peak_anon_gb", "cuda_allocated_gb",
+                           "cuda_reserved_gb", "cuda_peak_gb"})
+
+
 class MemoryManager:
     """Periodic memory readings and cleanup, driven by the optimizer step counter."""
 

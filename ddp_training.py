@@ -641,16 +641,20 @@ LossFn = Callable[[nn.Module, Any], tuple]
 
 
 # Names the train and val records (and evaluate()'s result) give their own fields: an extra of the loss named
-# so would replace the loss that early stopping and the best checkpoint read, or the step number
+# so would replace the loss that early stopping and the best checkpoint read, the step number or a memory
+# reading. The validation record's fields start with VAL_PREFIX (val_loss, val_<extra>): a train extra named
+# so would be read as them.
 RECORD_FIELDS = frozenset({"type", "step", "epoch", "loss", "count", "mfu", "lr", "grad_norm", "samples_per_s",
-                           "skipped", "time", "steps_per_epoch", "loss_floor"})
+                           "skipped", "time", "steps_per_epoch", "loss_floor"}) | rt.MEMORY_FIELDS
+VAL_PREFIX = "val_"
 
 
-def check_extra_names(names, reserved, whose: str) -> None:
-    taken = sorted(n for n in names if n in reserved)
+def check_extra_names(names, reserved, whose: str, prefix: Optional[str] = None) -> None:
+    taken = sorted(n for n in names if n in reserved or (prefix and n.startswith(prefix)))
     if taken:
+        also = f", and names starting with {prefix!r} are the validation record's" if prefix else ""
         raise ValueError(f"loss_fn returned the extras {taken}: {whose} has fields of these names already "
-                         f"({', '.join(sorted(reserved))}); rename them")
+                         f"({', '.join(sorted(reserved))}){also}; rename them")
 
 
 def check_plain(name: str, value, where: str) -> None:
@@ -1276,7 +1280,7 @@ class DDPTrainer:
                 raise StepFailed("loss_fn returned different extras on different ranks at the first step: "
                                  + "; ".join(f"rank {r}: {names}" for r, names in enumerate(seen)))
             try:
-                check_extra_names(mine, RECORD_FIELDS | {f"{self.count_unit}_per_s"}, "a metrics record")
+                check_extra_names(mine, RECORD_FIELDS | {f"{self.count_unit}_per_s"}, "a metrics record", VAL_PREFIX)
             except ValueError as exc:
                 raise StepFailed(f"step {self.global_step + 1}: {exc}") from None
             self.extra_names = mine

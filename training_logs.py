@@ -143,26 +143,30 @@ def _shown(line: bytes) -> str:
 def last_session(records: list, path) -> list:
     """Keep only the last run of a file that holds several, and the newest records of steps logged twice.
 
-    The trainer never writes either: a resumed run truncates metrics.jsonl to its resume step, so steps only
-    go up, and a fresh run moves the old file aside. Files joined by hand, or written by other tools into one
-    log_dir, can still hold a run whose step 1 follows another run's records (or any step after a summary),
-    or a resumed session that repeats steps: its records replace the earlier ones from its first step on (a
-    validation redone at the resume step replaces that step's validation). Records without a whole-number
-    step are kept as they come.
+    The trainer never writes either: a resumed run truncates metrics.jsonl to its resume step and drops the
+    stopped session's summary, so steps only go up, and a fresh run moves the old file aside. Files joined by
+    hand, or written by other tools into one log_dir, can still hold a run whose step 1 follows another run's
+    records, or a resumed session that repeats steps: its records replace the earlier ones from its first step
+    on (a validation redone at the resume step replaces that step's validation), and a summary before it
+    goes, as the trainer drops it. Records without a whole-number step are kept as they come.
     """
-    kept, last_step, after_summary, new_run, repeated = [], 0, False, 0, 0
+    kept, last_step, last_val_step, new_run, repeated, summary_before = [], 0, None, 0, 0, False
     for i, rec in enumerate(records):
         step = rec.get("step")
-        numbered = isinstance(step, int) and not isinstance(step, bool)
-        if rec["type"] == "train" and numbered and (after_summary or (step <= 1 <= last_step)):
-            kept, new_run = [], i
-        elif numbered and rec["type"] in ("train", "val") and \
-                (step < last_step or (step == last_step and rec["type"] == "train")):
+        stepped = isinstance(step, int) and not isinstance(step, bool) and rec["type"] in ("train", "val")
+        if stepped and rec["type"] == "train" and step <= 1 <= last_step:
+            kept, new_run, last_val_step = [], i, None
+        elif stepped and (step < last_step or (step == last_step and (rec["type"] == "train" or
+                                                                     last_val_step == step))):
             repeated += 1  # what a resumed session redoes replaces the earlier records
             kept = [r for r in kept if not superseded(r, step, rec["type"])]
-        if rec["type"] == "train" and numbered:
-            last_step = step
-        after_summary = rec["type"] == "summary"
+            last_val_step = None if last_val_step is not None and last_val_step >= step else last_val_step
+        if stepped and summary_before:  # a session goes on after that summary: it was no run's end
+            kept = [r for r in kept if r["type"] != "summary"]
+        if stepped:
+            last_step = step if rec["type"] == "train" else last_step
+            last_val_step = step if rec["type"] == "val" else last_val_step
+        summary_before = rec["type"] == "summary" or (summary_before and not stepped)
         kept.append(rec)
     if new_run:
         warn(f"{path} holds more than one run (log_dir reused without resume); using the last, from record "
@@ -277,12 +281,18 @@ def load_run(run_dir, name: Optional[str] = None) -> Run:
     return run
 
 
+# The first line of a launch in a rank log (the VJ2 script's, then the trainer's): rank logs are appended to
+SESSION_START = re.compile(r"\] INFO: (\[DDP\] Initializing with backend|rank 0/\d+, local_rank)")
+
+
 def first_error(log: Path) -> Optional[str]:
-    """The first ERROR line of a rank log without its time and rank prefix, and the exception of the
-    traceback that follows it, if one does ("trainer set-up failed" is followed by its traceback)."""
+    """The first ERROR line of the newest launch in a rank log without its time and rank prefix, and the
+    exception of the traceback that follows it, if one does ("trainer set-up failed" is followed by its
+    traceback). A relaunch still setting up has none, whatever an earlier launch logged."""
     with open(log, errors="replace") as f:
         lines = f.read().splitlines()
-    for i, line in enumerate(lines):
+    starts = [i for i, line in enumerate(lines) if SESSION_START.search(line)]
+    for i, line in enumerate(lines[starts[-1] if starts else 0:], start=starts[-1] if starts else 0):
         if "] ERROR: " in line:
             message = line.split("] ERROR: ", 1)[1].strip()
             after = []
@@ -575,7 +585,7 @@ def _loss_axes(ax, runs: list, x: str, smooth: int, log_y: bool, colors) -> list
             ax.plot(*series(run, "loss", x), color=c, alpha=0.25, linewidth=0.8)
         xs, ys = series(run, "loss", x, smooth)
         handles += ax.plot(xs, ys, color=c, label=f"{tag}train loss" + (f" (avg {smooth})" if smooth > 1 else ""))
-        xs, ys = series(run, "val_loss", x)
+        xs, ys = series(run, "val_loss", x, kind="val")
         if xs:
             handles += ax.plot(xs, ys, color=c, linestyle="--", marker="o", markersize=4, label=f"{tag}val loss")
         xs, ys = series(run, "lr", x)
@@ -613,9 +623,18 @@ def plot_loss_curves(runs: list, output, x: str = "step", smooth: int = 1, compa
     for ax, (group, cs) in zip(axes[:, 0], groups):
         _loss_axes(ax, group, x, smooth, log_y, cs)
         ax.set_title(_title(group))
+    save_figure(fig, output)
+
+
+def save_figure(fig, output) -> None:
+    """Written only once the figure is drawn: a refused plot leaves no directories behind."""
+    try:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise LogError(f"--output {output}: cannot write there ({type(exc).__name__}: {exc})") from None
     fig.tight_layout()
     fig.savefig(output, dpi=100)
-    plt.close(fig)
+    _pyplot().close(fig)
 
 
 def plot_metrics(runs: list, metrics: list, output, x: str = "step", smooth: int = 1,
@@ -643,9 +662,7 @@ def plot_metrics(runs: list, metrics: list, output, x: str = "step", smooth: int
             ax.legend(fontsize=8)
     for ax in axes.flat[len(metrics):]:
         ax.set_visible(False)
-    fig.tight_layout()
-    fig.savefig(output, dpi=100)
-    plt.close(fig)
+    save_figure(fig, output)
 
 
 # ----------------------------------------------------------------------------
@@ -713,10 +730,6 @@ def main(argv=None) -> int:
         if not Path(args.output).suffix:  # what matplotlib would write: name.png
             args.output += ".png"
         check_format(args.output)
-        try:
-            Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise LogError(f"--output {args.output}: cannot write there ({type(exc).__name__}: {exc})") from None
         if args.metrics:
             metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
             if not metrics:

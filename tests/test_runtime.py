@@ -226,6 +226,7 @@ def test_memory_limit_counts_anonymous_memory_not_mapped_file_pages(tmp_path):
     assert after["cpu_rss_gb"] - before["cpu_rss_gb"] > 48 / 1024
     assert abs(after["cpu_anon_gb"] - before["cpu_anon_gb"]) < 16 / 1024
     assert after["cpu_peak_anon_gb"] >= after["cpu_anon_gb"] and after["cpu_peak_rss_gb"] >= after["cpu_rss_gb"]
+    assert set(after) <= rt.MEMORY_FIELDS  # the names a loss's extras may not take
 
 
 # -- data loaders ---------------------------------------------------------------

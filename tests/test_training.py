@@ -597,6 +597,14 @@ def test_names_and_values_that_would_replace_or_lose_what_the_kit_saves_are_refu
     trainer = DDPTrainer(config=cfg, loss_fn=with_extras, **custom)
     with pytest.raises(StepFailed, match=r"step 1: loss_fn returned the extras \['loss'\]: a metrics record has fields of these names"):
         trainer.train()
+
+    def read_as_others(model, batch):  # the validation curve of training_logs.py, a memory reading
+        s, c = lm_loss(model, batch)
+        return s, c, {"val_loss": s.detach(), "cpu_rss_gb": c, "accuracy": c}
+    with pytest.raises(StepFailed, match=r"extras \['cpu_rss_gb', 'val_loss'\]: a metrics record has fields of these "
+                                         r"names already \(.*\), and names starting with 'val_' are the validation "
+                                         r"record's; rename them"):
+        DDPTrainer(config={**cfg, **dirs(tmp_path / "val")}, loss_fn=read_as_others, **custom).train()
     loader = torch.utils.data.DataLoader(data.val, batch_size=16)
     with pytest.raises(ValueError, match=r"extras \['loss'\]: evaluate\(\)'s result has fields of these names already \(count, loss\)"):
         evaluate_model(custom["model"], loader, with_extras, torch.device("cpu"))

@@ -613,3 +613,71 @@ def test_a_summary_rounded_below_the_last_record_is_the_same_session(tmp_path):
                  "samples_per_s": 8.0, "world_size": 1, "global_batch": 8})
     row = tl.summarize(tl.load_run(write_run(tmp_path / "a", recs)))
     assert row["sessions"] == 1 and row["total_time_s"] == 2.0 and row["avg_samples_per_s"] == 8.0
+
+
+def test_a_stopped_session_followed_by_its_resume_in_an_uncut_file_is_one_run(tmp_path, capsys):
+    """Stopped at step 5 (its summary written), resumed without the file cut back: the trainer drops the
+    stopped session's summary, and so does the reader; the file was read as a second run that dropped
+    session one (from a review of training_logs)."""
+    stopped = {"type": "summary", "status": "interrupted", "steps": 5, "resumed_from": None, "wall_time_s": 0.6,
+               "samples_per_s": 50.0, "world_size": 1, "global_batch": 8}
+    done = dict(stopped, status="completed", steps=10, resumed_from="state_step_5.pt", wall_time_s=0.55)
+    # the second session ends its first step's window 0.1 s after its start, as the first one did
+    recs = train_recs(range(1, 6), spe=100, dt=0.1) + [stopped] + train_recs(range(6, 11), spe=100, dt=0.1) + [done]
+    run = tl.load_run(write_run(tmp_path / "r", recs))
+    assert "more than one run" not in capsys.readouterr().err
+    assert [r["step"] for r in run.train] == list(range(1, 11)) and run.summary["status"] == "completed"
+    row = tl.summarize(run)
+    assert row["sessions"] == 2 and row["total_time_s"] == pytest.approx(0.5 + 0.55)
+    # a step 1 after a summary is still another run
+    tl.load_run(write_run(tmp_path / "again", recs + train_recs(range(1, 4), spe=100)))
+    assert "holds more than one run" in capsys.readouterr().err
+
+
+def test_a_validation_redone_at_the_last_step_of_an_uncut_file_replaces_it(tmp_path, capsys):
+    """Killed after its validation at step 8, resumed from step 8: the resumed session validates step 8 again
+    (it was kept twice)."""
+    val = {"type": "val", "epoch": 0, "step": 8, "val_loss": 3.0, "time": 0.85}
+    recs = train_recs(range(1, 9), spe=100, dt=0.1) + [val, dict(val, val_loss=2.9, time=0.05)] + \
+        train_recs(range(9, 11), spe=100, t0=0.05, dt=0.1)
+    run = tl.load_run(write_run(tmp_path / "r", recs))
+    assert [(r["step"], r["val_loss"]) for r in run.val] == [(8, 2.9)] and len(run.train) == 10
+    assert "repeats steps an earlier one logged" in capsys.readouterr().err
+
+
+def test_a_set_up_failure_is_the_newest_launchs(tmp_path):
+    """Rank logs are appended to: a relaunch still setting up is not "failed in set-up" by an earlier launch's
+    error, and of two failed launches the newest one's error is named."""
+    failed = ("2026-11-26 09:01:56 [RANK 0] INFO: rank 0/1, local_rank 0, device cpu, backend none\n"
+              "2026-11-26 09:01:56 [RANK 0] ERROR: trainer set-up failed\nTraceback (most recent call last):\n"
+              "  File \"ddp_training.py\", line 1, in <module>\nValueError: --data {}: the file is empty\n")
+    relaunch = "2026-11-26 09:30:00 [RANK 0] INFO: [DDP] Initializing with backend=gloo, device=cpu\n"
+    d = tmp_path / "r"
+    d.mkdir()
+    (d / "rank_0.log").write_text(failed.format("a.txt") + relaunch)
+    with pytest.raises(tl.NoRecords):
+        tl.load_run(d)
+    (d / "rank_0.log").write_text(failed.format("a.txt") + failed.format("b.txt"))
+    with pytest.raises(tl.SetUpFailed, match=r"trainer set-up failed: ValueError: --data b.txt: the file is empty$"):
+        tl.load_run(d)
+
+
+def test_a_refused_plot_makes_no_directories(runs, tmp_path, capsys):
+    short = write_run(tmp_path / "short", train_recs(range(1, 4), spe=100))  # no epoch ended, none stated
+    for run, flags in ((runs / "lr_3e-3", ["--metrics", "nosuch"]), (short, ["--x", "epoch"])):
+        out = tmp_path / "new" / "dir" / "curves.png"
+        assert tl.main(["plot", str(run), *flags, "--output", str(out)]) == 2
+        assert "error: " in capsys.readouterr().err and not (tmp_path / "new").exists(), flags
+
+
+def test_the_val_loss_curve_is_read_from_the_validation_records(runs):
+    """A train record's field of the same name (an extra of another trainer's loss) is not the validation."""
+    run = tl.load_run(runs / "lr_3e-3")
+    for rec in run.train:
+        rec["val_loss"] = 99.0
+    plt = tl._pyplot()
+    fig, ax = plt.subplots()
+    (val,) = [h for h in tl._loss_axes(ax, [run], "step", 1, False, ["C0"]) if h.get_label() == "val loss"]
+    plt.close(fig)
+    assert list(val.get_xdata()) == [r["step"] for r in run.val] == [5, 10, 15, 20]
+    assert list(val.get_ydata()) == [r["val_loss"] for r in run.val]
