@@ -57,7 +57,10 @@ Examples:
 EOF
 }
 
-die() { echo "launch_training.sh: error: $*" >&2; exit 2; }
+# Messages never change the exit status: a closed terminal (EIO) or a reader gone from a pipe (`| tee log`,
+# which a Ctrl-C also stops) failed the echo, and set -e or SIGPIPE turned a preempted run's 75 into 1 or 141.
+say() { printf 'launch_training.sh: %s\n' "$*" >&2 2>/dev/null || true; }
+die() { say "error: $*"; exit 2; }
 
 gpus="" batch="" epochs="" log_dir="" ckpt_dir="" cpu=0 nproc="" test_mode=0 debug=0
 script="ddp_training.py" nnodes=1 node_rank=0 master_addr="" master_port=29500 max_restarts=0
@@ -173,7 +176,7 @@ if (( cpu == 0 )); then
     elif (( available > 0 )); then
         selected=$available selection="$available GPU(s) visible"
     else
-        echo "launch_training.sh: no GPU detected, falling back to the CPU (gloo)" >&2
+        say "no GPU detected, falling back to the CPU (gloo)"
         cpu=1
     fi
 elif [[ -n "$gpus" ]]; then
@@ -296,8 +299,7 @@ new_marker() { new_file "$1" "\"launch_id\": \"$DDP_KIT_LAUNCH_ID\""; }  # PREEM
 forwarded="" child=""
 forward() {
     if [[ -n "$forwarded" ]]; then
-        echo "launch_training.sh: SIG$1 received; already stopping on SIG$forwarded, the workers have up to" \
-             "${grace}s to save" >&2
+        say "SIG$1 received; already stopping on SIG$forwarded, the workers have up to ${grace}s to save"
         return 0  # a bare return in a trap gives the interrupted wait's status (> 128), and set -e exits
     fi
     forwarded=$1
@@ -335,6 +337,7 @@ except (OSError, AttributeError):
     pass
 os.execvp(sys.argv[1], sys.argv[1:])' "${cmd[@]}" <&0 &
 child=$!
+trap '' PIPE  # after torchrun's start, which keeps the default; see say()
 [[ -z "$forwarded" ]] || kill -s "$(stop_signal "$forwarded")" "$child" 2>/dev/null || true
 
 # A trapped signal cuts `wait` short (status > 128) while torchrun still runs: wait again. The last wait
@@ -348,14 +351,14 @@ wait "$child" || status=$?
 if (( status != 0 )) && [[ -n "$forwarded" ]]; then
     marker=$(new_marker PREEMPTED)
     if [[ -n "$marker" ]]; then
-        echo "launch_training.sh: the run was preempted ($marker: $(head -c 300 "$marker" | tr -d '\n'));" \
-             "exiting 75, relaunch the same command to resume" >&2
+        say "the run was preempted ($marker: $(head -c 300 "$marker" | tr -d '\n'));" \
+            "exiting 75, relaunch the same command to resume"
         exit 75
     fi
     marker=$(new_marker COMPLETED)
     if [[ -n "$marker" ]]; then
-        echo "launch_training.sh: the run completed ($marker) before SIG$forwarded could stop it;" \
-             "torchrun's status $status was its answer to the signal: exiting 0" >&2
+        say "the run completed ($marker) before SIG$forwarded could stop it;" \
+            "torchrun's status $status was its answer to the signal: exiting 0"
         exit 0
     fi
 fi
@@ -363,17 +366,17 @@ fi
 if (( status != 0 )) && [[ -s "$TORCHELASTIC_ERROR_FILE" ]] && [[ "$("$python" -c 'import json, sys
 reason = json.load(open(sys.argv[1]))["message"]
 print(reason.get("errorCode", "") if isinstance(reason, dict) else "")' "$TORCHELASTIC_ERROR_FILE")" == 2 ]]; then
-    echo "launch_training.sh: the script refused its input (exit 2, the error above): exiting 2" >&2
+    say "the script refused its input (exit 2, the error above): exiting 2"
     exit 2
 fi
 if (( status != 0 )) && [[ -n "$forwarded" ]]; then
     if [[ -z "$(new_file metrics.jsonl)" ]]; then  # training never began: the ranks died of it while importing
-        echo "launch_training.sh: stopped by SIG$forwarded before any rank began training (no metrics.jsonl" \
-             "newer than the launch in: $(marker_dirs | tr '\n' ' ')): nothing to save; exiting 75 (pass -l when a" \
-             "--config sets the log dir)" >&2
+        say "stopped by SIG$forwarded before any rank began training (no metrics.jsonl" \
+            "newer than the launch in: $(marker_dirs | tr '\n' ' ')): nothing to save; exiting 75 (pass -l when a" \
+            "--config sets the log dir)"
         exit 75
     fi
-    echo "launch_training.sh: stopped by SIG$forwarded, but no PREEMPTED marker newer than the launch in:" \
-         "$(marker_dirs | tr '\n' ' ')(pass -l when a --config sets the log dir)" >&2
+    say "stopped by SIG$forwarded, but no PREEMPTED marker newer than the launch in:" \
+        "$(marker_dirs | tr '\n' ' ')(pass -l when a --config sets the log dir)"
 fi
 exit "$status"

@@ -234,6 +234,26 @@ def test_a_failed_torchrun_with_a_new_marker_exits_75(tmp_path, fake_bin, argv, 
     assert f"the run was preempted ({log_dir}/PREEMPTED" in r.stdout and "relaunch" in r.stdout
 
 
+def test_a_preempted_run_exits_75_when_its_output_reader_is_gone(tmp_path, fake_bin):
+    """`./launch_training.sh ... 2>&1 | tee train.log` and a Ctrl-C, which stops tee too (or a closed terminal):
+    the launcher's last message met a pipe without a reader, and SIGPIPE turned the run's 75 into 141."""
+    then = f"save() {{ mkdir -p runs/lm && {MARKER} > runs/lm/PREEMPTED; exit 1; }}; trap save TERM; {IDLE}"
+    path = f"{fake_bin}:{Path(sys.executable).parent}:/usr/bin:/bin"
+    proc = subprocess.Popen(["bash", LAUNCHER, "--cpu"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env=clean_env(PATH=path, PYTHON=sys.executable, FAKE_TORCHRUN_THEN=then))
+    try:
+        while not proc.stdout.readline().startswith("["):  # torchrun's arguments: it sets its trap next
+            pass
+        time.sleep(0.3)
+        proc.stdout.close()  # the reader is gone
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == EXIT_PREEMPTED
+    finally:
+        proc.kill()
+    assert (tmp_path / "runs" / "lm" / "PREEMPTED").exists()
+
+
 def test_a_marker_without_a_stop_is_no_preemption_and_a_stop_before_training_is(tmp_path, fake_bin):
     """torchrun sends SIGTERM to the other ranks when one fails; one still in set-up writes a marker after its
     grace (rt.SetUpWatch). With no stop passed on by the launcher, that is the failure it is: no requeue."""
