@@ -112,17 +112,23 @@ def detect_launch_env() -> dict:
     return dict(rank=0, world_size=1, local_rank=0, launcher="none")
 
 
-def _slurm_task(env) -> Optional[dict]:
-    """The SLURM task this process is, or None when it is not one of a group (the batch script)."""
+def _slurm_step_tasks(env) -> Optional[int]:
+    """The task count of the srun step this process is a task of, or None (no SLURM, or the batch script)."""
     if "SLURM_PROCID" not in env:
         return None
-    rank = int(env["SLURM_PROCID"])
     if "SLURM_STEP_NUM_TASKS" in env:
-        ntasks = int(env["SLURM_STEP_NUM_TASKS"])
-    elif rank == 0 or "SLURM_NTASKS" not in env:
+        return int(env["SLURM_STEP_NUM_TASKS"])
+    if int(env["SLURM_PROCID"]) == 0 or "SLURM_NTASKS" not in env:
         return None  # the batch script (always task 0 of its own one-task step), not an srun task
-    else:
-        ntasks = int(env["SLURM_NTASKS"])  # a task > 0 without step variables: not the batch script
+    return int(env["SLURM_NTASKS"])  # a task > 0 without step variables: not the batch script
+
+
+def _slurm_task(env) -> Optional[dict]:
+    """The SLURM task this process is, or None when it is not one of a group (the batch script)."""
+    ntasks = _slurm_step_tasks(env)
+    if ntasks is None:
+        return None
+    rank = int(env["SLURM_PROCID"])
     if ntasks > 1:
         # c10d's env:// rendezvous reads these; SLURM does not set them itself.
         if "MASTER_ADDR" not in env:
@@ -152,11 +158,24 @@ def cpu_count() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def limit_cpu_threads(local_world_size: int) -> None:
+def limit_cpu_threads(local_world_size: int, world_size: int) -> None:
     """Share the cores among the ranks of this node: oversubscribed intra-op threads make
     every rank slower than one process alone. An explicit OMP_NUM_THREADS wins."""
     if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, cpu_count() // max(1, local_world_size)))
+        torch.set_num_threads(max(1, cpus_per_rank(local_world_size, world_size)))
+
+
+def cpus_per_rank(local_world_size: int, world_size: int) -> int:
+    """The CPUs one rank may use: this process's CPUs shared among the ranks of its node; where the ranks are
+    the tasks of an srun step, SLURM's share for each (SLURM_CPUS_PER_TASK), since srun may have bound each
+    task to CPUs of its own already (dividing those again left a task of 8 CPUs 2 threads at 4 per node).
+    0 where the node has fewer CPUs than ranks."""
+    env = os.environ
+    per_task = env.get("SLURM_CPUS_PER_TASK", "")
+    slurm_ranks = "TORCHELASTIC_RUN_ID" not in env and _slurm_step_tasks(env) == world_size
+    if slurm_ranks and per_task.isdigit() and int(per_task) > 0:
+        return min(cpu_count(), int(per_task))
+    return cpu_count() // max(1, local_world_size)
 
 
 def cuda_index(local_rank: int) -> int:
@@ -199,7 +218,7 @@ def setup_distributed(rank: int, world_size: int, local_rank: Optional[int] = No
         torch.cuda.set_device(dev)
     else:
         dev = torch.device("cpu")
-        limit_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        limit_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), world_size)
 
     if world_size == 1:
         return DistEnv(rank, local_rank, 1, None, dev)
@@ -847,9 +866,9 @@ class _SeededSamples(Dataset):
         return self.dataset[index]
 
 
-def capped_workers(requested: int, local_world_size: int) -> int:
-    """At most the CPUs this process may use, shared among the ranks on this node."""
-    return max(0, min(requested, cpu_count() // max(1, local_world_size)))
+def capped_workers(requested: int, local_world_size: int, world_size: int) -> int:
+    """At most the CPUs one rank may use (cpus_per_rank)."""
+    return max(0, min(requested, cpus_per_rank(local_world_size, world_size)))
 
 
 def build_dataloader(dataset: Dataset, batch_size: int, *, train: bool, rank: int, world_size: int,
@@ -871,7 +890,7 @@ def build_dataloader(dataset: Dataset, batch_size: int, *, train: bool, rank: in
                              f"fewer than batch_size={batch_size}: no full batch per epoch")
     else:
         sampler = ShardSampler(len(dataset), rank, world_size)
-    workers = capped_workers(num_workers, local_world_size or world_size)
+    workers = capped_workers(num_workers, local_world_size or world_size, world_size)
     generator = torch.Generator()
     generator.manual_seed(seed + rank)
     kwargs = dict(num_workers=workers, pin_memory=pin_memory, drop_last=train,

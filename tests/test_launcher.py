@@ -416,7 +416,7 @@ def sbatch(tmp_path, fake_bin, marker: bool, **env):
     preempt = 'while [[ $1 != --log_dir ]]; do shift; done; mkdir -p "$2"; echo "{}" > "$2/PREEMPTED"; exit 75\n'
     executable(fake_bin / "srun", '#!/bin/bash\nprintf "[%s]" "$@"; echo\n' + (preempt if marker else ""))
     executable(fake_bin / "scontrol", '#!/bin/sh\n[ "$1" = show ] && echo node1 || echo "scontrol $*"\n')
-    slurm = dict(SLURM_JOB_NAME="ddp-train", SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node1")
+    slurm = dict(SLURM_JOB_NAME="ddp-train", SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node1", SLURM_CPUS_PER_TASK="8")
     return run(["bash", SBATCH, "--max_steps", "10"], cwd=tmp_path, timeout=30,
                env=clean_env(PATH=f"{fake_bin}:/usr/bin:/bin", **slurm, **env))
 
@@ -430,6 +430,7 @@ def test_slurm_run_name_is_unique_per_job_and_requeues_on_preemption(tmp_path, f
     assert r.returncode == 0, r.stdout
     assert "[--log_dir][runs/ddp-train-4242][--checkpoint_dir][checkpoints/ddp-train-4242]" in r.stdout, r.stdout
     assert "[--max_steps][10]" in r.stdout and "requeue" not in r.stdout
+    assert "[--cpus-per-task=8]" in r.stdout  # srun no longer takes it from sbatch (Slurm 22.05 on)
     r = sbatch(tmp_path, fake_bin, marker=False, RUN_NAME="shared")
     assert "[--log_dir][runs/shared][--checkpoint_dir][checkpoints/shared]" in r.stdout, r.stdout
     r = sbatch(tmp_path, fake_bin, marker=True)

@@ -91,7 +91,32 @@ def test_srun_tasks_share_their_node_not_the_world(no_slurm_step, monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     rt.detect_launch_env()
     assert os.environ["LOCAL_WORLD_SIZE"] == "3"
-    assert rt.capped_workers(8, int(os.environ["LOCAL_WORLD_SIZE"])) == min(8, rt.cpu_count() // 3)
+    assert rt.capped_workers(8, int(os.environ["LOCAL_WORLD_SIZE"]), 64) == min(8, rt.cpu_count() // 3)
+
+
+def test_srun_tasks_take_slurms_share_of_cpus_even_when_bound_to_their_own(no_slurm_step, monkeypatch):
+    """srun --cpus-per-task=6 may bind each task to 6 CPUs of its own: dividing those by the node's 4 tasks
+    again left each rank 1 thread and 1 loader worker (from a review of the SLURM example)."""
+    slurm_job(monkeypatch, procid=1, ntasks=8)
+    srun_step(monkeypatch, 8, "gpu[12-13]")
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "4(x2)")
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "6")
+    rt.detect_launch_env()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(6, 12)))  # bound: this task's own 6
+    assert rt.cpus_per_rank(4, 8) == 6 and rt.capped_workers(8, 4, 8) == 6
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    threads = torch.get_num_threads()
+    try:
+        rt.limit_cpu_threads(4, 8)
+        assert torch.get_num_threads() == 6
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)))  # not bound: the node's 32
+    assert rt.cpus_per_rank(4, 8) == 6
+    # processes started inside the tasks (--nproc: another world size; torchrun's workers) share their CPUs
+    assert rt.cpus_per_rank(4, 4) == 8
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    assert rt.cpus_per_rank(4, 8) == 8
 
 
 @pytest.mark.parametrize("local_rank, visible, bound, env, expected", [
