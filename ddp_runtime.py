@@ -1258,6 +1258,19 @@ class StopSignal:
         return None if self.received is None else signal.Signals(self.received).name
 
 
+class FirstSignal:
+    """The first signal a list holds, read when asked (0 for none): a script's handler from before torch's
+    import appends to the list until train_preemptible installs its own, and train_preemptible reads it after
+    that, so no signal falls in between."""
+
+    def __init__(self, received: list):
+        self.received = received
+
+    @property
+    def value(self) -> int:
+        return self.received[0] if self.received else 0
+
+
 # How long set-up may go on after a preempting signal before a rank gives up on it: long enough for peers
 # that started a little later to join and stop together at the first step, short of the 30 s that SLURM
 # (KillWait) and torchrun give by default before SIGKILL. The variable of that name sets another (read

@@ -13,6 +13,15 @@ all-reduced value, so all ranks take the same branch at the same step.
 
 from __future__ import annotations
 
+# Run as a script, the stop signals that schedulers send are caught from here, before torch's import
+# (seconds): one that arrives then stops the run at its first step with a marker (a SLURM job is then
+# requeued) instead of killing the rank. train_preemptible takes them over.
+EARLY_STOPS: list = []
+if __name__ == "__main__":
+    import signal
+    for _sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(_sig, lambda signum, frame: EARLY_STOPS.append(signum))
+
 import argparse
 import collections.abc
 import contextlib
@@ -2580,7 +2589,7 @@ def _a_rank_died_of_the_stop(procs: list, forwarded: list) -> bool:
     return bool(forwarded) and any(p.exitcode == -forwarded[0] != -signal.SIGINT for p in procs)
 
 
-def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker) -> int:
+def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker, early: Optional[rt.FirstSignal] = None) -> int:
     """Run `worker(rank, nproc, cfg, requested)` on `nproc` local processes (torch.multiprocessing, a free
     port), for users without torchrun. Returns the exit status: 0, EXIT_PREEMPTED, EXIT_BAD_INPUT, 128 + a
     signal that ended a rank's set-up (Ctrl-C: 130; a second SIGTERM: 143), as a single process exits, or 1.
@@ -2591,7 +2600,7 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker) -> int:
 
     A rank that refuses its input leaves the reason where torchrun would look for it (TORCHELASTIC_ERROR_FILE,
     here in a temporary dir), and this process prints it: rank 0 printing it could be ended by torch first,
-    when a peer refused and exited before it."""
+    when a peer refused and exited before it. `early`: a stop this process caught before it got here."""
     import torch.multiprocessing as mp
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(free_port())
@@ -2609,11 +2618,15 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker) -> int:
                 os.kill(p.pid, signum)
     # before the start: a signal in between would kill this process and leave the ranks unattended
     previous = {sig: signal.signal(sig, forward) for sig in (getattr(signal, n) for n in rt.StopSignal.SIGNALS)}
+    stopped_early = early.value if early is not None else 0
+    if stopped_early:  # the ranks read it once they have their handlers: a signal now would end their import
+        forwarded.append(stopped_early)
+        requested.value = stopped_early
     try:
         os.environ["TORCHELASTIC_ERROR_FILE"] = str(refusal)
         context = mp.start_processes(worker, args=(nproc, cfg, requested), nprocs=nproc, join=False,
                                      start_method="spawn")
-        if forwarded:
+        if forwarded and not stopped_early:
             forward(forwarded[0], None)
         if _a_rank_died_of_the_stop(context.processes, forwarded):
             # still importing torch, it had no handler yet: nothing was trained, and its peers wait in a
@@ -2660,8 +2673,9 @@ def main(argv: Optional[list] = None) -> int:
     if args.nproc > 1:
         if launch["world_size"] > 1:
             return rt.refuse("--nproc spawns its own processes; do not combine it with torchrun/srun")
-        return spawn_local(args.nproc, cfg)
-    return _train_and_exit_code(launch["rank"], launch["world_size"], cfg, launch["local_rank"])
+        return spawn_local(args.nproc, cfg, early=rt.FirstSignal(EARLY_STOPS))
+    return _train_and_exit_code(launch["rank"], launch["world_size"], cfg, launch["local_rank"],
+                                requested=rt.FirstSignal(EARLY_STOPS))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,13 @@ holding `predictor`, `global_step`, `predictor_config`, `rollout_horizon`, `data
 training data), and `val_loss` when a validation ran at that step.
 """
 
+# The stop signals that schedulers send are caught from here, before torch's import: see ddp_training.py
+EARLY_STOPS: list = []
+if __name__ == "__main__":
+    import signal
+    for _sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(_sig, lambda signum, frame: EARLY_STOPS.append(signum))
+
 import json
 import math
 import numbers
@@ -396,7 +403,7 @@ def train_config(args):
 
 def train(args, launch):
     cfg = train_config(args)
-    return train_preemptible(lambda: set_up(args, launch, cfg), cfg["log_dir"])
+    return train_preemptible(lambda: set_up(args, launch, cfg), cfg["log_dir"], rt.FirstSignal(EARLY_STOPS))
 
 
 def set_up(args, launch, cfg):

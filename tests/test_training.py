@@ -882,6 +882,36 @@ def ranks_of(proc) -> list:
     return children
 
 
+def catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler for `sig` (its SigCgt mask)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(int(mask, 16) >> (sig - 1) & 1)
+
+
+@pytest.mark.multi
+@pytest.mark.parametrize("how", ["ddp_training", "nproc", "vj2ac"])
+def test_a_stop_while_the_script_imports_torch_stops_it_at_step_1_with_a_save(tmp_path, how):
+    """What torchrun or srun start runs the script itself: a SIGTERM in its first seconds (torch's import) killed
+    it (exit 143, no marker, so a SLURM job was not requeued). It is caught from the script's first lines."""
+    if how == "vj2ac":
+        data = make_vj2_data(tmp_path / "data", 1, 8, 4)
+        cmd = [REPO / "vj2ac_train_multi_gpu.py", "--test", "--device", "cpu", "--processed_data_dir", data / "train",
+               "--validation_data_dir", data / "val", "--checkpoint_dir", "logs"]
+    else:
+        cmd = [REPO / "ddp_training.py", "--cpu", "--test", "--log_dir", "logs", "--checkpoint_dir", "ckpt",
+               *(["--nproc", "2"] if how == "nproc" else [])]
+    with background([sys.executable, *cmd], tmp_path, env=clean_env()) as proc:
+        deadline = time.time() + 30
+        while not catches(proc.pid, signal.SIGTERM) and time.time() < deadline:
+            time.sleep(0.005)
+        assert "libtorch" not in Path(f"/proc/{proc.pid}/maps").read_text()  # caught before torch loaded
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 75, out[-3000:]
+    assert json.loads((tmp_path / "logs" / "PREEMPTED").read_text())["step"] == 1, out[-3000:]
+
+
 def wait_until_starting(proc, log_dir: Path, when: str) -> None:
     """Until an --nproc run's two ranks exist ("while-the-ranks-import-torch") or rank 1 has begun its
     set-up and opened its log ("during-their-set-up"); 60 s at most."""
