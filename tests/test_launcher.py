@@ -410,14 +410,14 @@ def test_two_nodes_with_max_restarts_recover_from_a_killed_worker(tmp_path):
 
 # -- SLURM ---------------------------------------------------------------------------------------------------
 
-def sbatch(tmp_path, fake_bin, marker: bool, **env):
+def sbatch(tmp_path, fake_bin, marker: bool, extra=(), **env):
     """The sbatch script with fake srun (prints its arguments, optionally leaves a PREEMPTED marker in the
     --log_dir it was given) and scontrol (prints what it was asked)."""
     preempt = 'while [[ $1 != --log_dir ]]; do shift; done; mkdir -p "$2"; echo "{}" > "$2/PREEMPTED"; exit 75\n'
     executable(fake_bin / "srun", '#!/bin/bash\nprintf "[%s]" "$@"; echo\n' + (preempt if marker else ""))
     executable(fake_bin / "scontrol", '#!/bin/sh\n[ "$1" = show ] && echo node1 || echo "scontrol $*"\n')
     slurm = dict(SLURM_JOB_NAME="ddp-train", SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node1", SLURM_CPUS_PER_TASK="8")
-    return run(["bash", SBATCH, "--max_steps", "10"], cwd=tmp_path, timeout=30,
+    return run(["bash", SBATCH, "--max_steps", "10", *extra], cwd=tmp_path, timeout=30,
                env=clean_env(PATH=f"{fake_bin}:/usr/bin:/bin", **slurm, **env))
 
 
@@ -438,6 +438,10 @@ def test_slurm_run_name_is_unique_per_job_and_requeues_on_preemption(tmp_path, f
     # The marker of that attempt does not requeue a later one that fails before training starts.
     r = sbatch(tmp_path, fake_bin, marker=False)
     assert "requeue" not in r.stdout, r.stdout
+    # a log dir of the user's own would hide the marker from the requeue check: refused before srun
+    r = sbatch(tmp_path, fake_bin, marker=True, extra=["--log_dir=elsewhere"])
+    assert r.returncode == 2 and "--log_dir=elsewhere: the run dirs are runs/<run>" in r.stdout, r.stdout
+    assert "[--max_steps]" not in r.stdout and not (tmp_path / "elsewhere").exists()
 
 
 @pytest.mark.multi
