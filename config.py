@@ -25,6 +25,9 @@ ACTIONS_PER_STEP = 250
 ACTION_CHANNELS = 3
 # names of the action channels, in order
 ACTION_CHANNEL_NAMES = ("x", "y", "touch")
+# most channels an action may have ([x, y, touch] and a few of the recorder's own): more are refused, as they
+# are what actions stored channels-first ([N, T-1, C, A], A=250) read as
+MAX_ACTION_CHANNELS = 8
 # range of every value of those channels: x and y as fractions of the screen width and height, touch 0..1;
 # the loader refuses files outside it (pixel coordinates would train silently)
 ACTION_VALUE_RANGE = (0.0, 1.0)

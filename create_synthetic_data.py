@@ -216,6 +216,8 @@ def check_geometry(steps, patches, embed_dim, actions_per_step, channels):
     names = config.ACTION_CHANNEL_NAMES
     if channels < len(names):
         raise ValueError(f"--action_channels must be >= {len(names)} for [{', '.join(names)}], got {channels}")
+    if channels > config.MAX_ACTION_CHANNELS:  # what the loader refuses
+        raise ValueError(f"--action_channels must be <= {config.MAX_ACTION_CHANNELS}, got {channels}")
     if min(patches, actions_per_step) < 1:
         raise ValueError(f"--patches and --actions_per_step must be >= 1, got {patches}, {actions_per_step}")
     if embed_dim < config.MIN_EMBED_DIM:

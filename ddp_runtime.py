@@ -1247,6 +1247,11 @@ class StopSignal:
             signal.signal(sig, prev)
         self._previous.clear()
 
+    @property
+    def previous(self) -> dict:
+        """The handlers that restore() puts back, by signal."""
+        return self._previous
+
     def __enter__(self) -> "StopSignal":
         return self.install()
 
@@ -1259,9 +1264,12 @@ class StopSignal:
 
 
 class FirstSignal:
-    """The first signal a list holds, read when asked (0 for none): a script's handler from before torch's
-    import appends to the list until train_preemptible installs its own, and train_preemptible reads it after
-    that, so no signal falls in between."""
+    """The stops a script caught from its first lines, before torch's import: its handler appends to
+    `received` until train_preemptible (or spawn_local) installs its own and reads `value` after that, so no
+    signal falls in between. Those handlers then give the signals back to the default (hand_over), not to the
+    early handler, which would ignore every later stop; a script that does not train calls release()."""
+
+    SIGNALS = ("SIGTERM", "SIGUSR1")
 
     def __init__(self, received: list):
         self.received = received
@@ -1269,6 +1277,20 @@ class FirstSignal:
     @property
     def value(self) -> int:
         return self.received[0] if self.received else 0
+
+    def hand_over(self, previous: dict) -> None:
+        """`previous`: the handlers that the new ones will restore; the early ones become the default."""
+        for name in self.SIGNALS:
+            sig = getattr(signal, name)
+            if sig in previous:
+                previous[sig] = signal.SIG_DFL
+
+    def release(self) -> None:
+        """The default handlers back; a stop caught meanwhile is raised again, as if they had never been there."""
+        for name in self.SIGNALS:
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+        if self.received:
+            os.kill(os.getpid(), self.received[0])
 
 
 # How long set-up may go on after a preempting signal before a rank gives up on it: long enough for peers

@@ -1563,14 +1563,17 @@ class DDPTrainer:
         """Every rank learns every rank's error, logs them, and raises the same error; with
         `save`, the weights (untouched by the failed step) go to <prefix>_interrupted.pt first."""
         reports = rt.gather_objects(mine)
-        if save:
-            self._save_last_good()
         lines = [f"rank {r}: {m}" for r, m in enumerate(reports) if m]
         text = f"step {self.global_step + 1} failed on " + "; ".join(lines)
         if any("parameters without gradients" in line for line in lines):
             text += (" -- the model's forward left these parameters unused; set find_unused_parameters=true "
                      "(--find_unused_parameters true) or make every parameter take part in the loss")
         self.log.error(text)
+        if save:
+            try:  # a failed write reaches every rank alike (the writer's flush): all go on to raise the cause
+                self._save_last_good()
+            except Exception as exc:
+                self.log.error("could not save the last good weights: %s: %s", type(exc).__name__, exc)
         raise StepFailed(text)
 
     def _explain_failure(self, exc: Exception) -> StepFailed:
@@ -2531,6 +2534,8 @@ def train_preemptible(build: Callable[[], "DDPTrainer"], log_dir, requested=None
     rt.SETUP_STOP_GRACE_S after the first, ends the process (see rt.SetUpWatch). `requested`: spawn_local's
     note of a stop it passed on, which this process may not have seen."""
     with rt.StopSignal(rt.StopSignal.PREEMPT_SIGNALS) as stop_signal:
+        if isinstance(requested, rt.FirstSignal):
+            requested.hand_over(stop_signal.previous)
         if requested is not None and requested.value and stop_signal.received is None:
             if requested.value == signal.SIGINT:  # Ctrl-C before this process had its handler: stop at once
                 raise KeyboardInterrupt("SIGINT passed on before set-up")
@@ -2618,6 +2623,8 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker, early: Optional[r
                 os.kill(p.pid, signum)
     # before the start: a signal in between would kill this process and leave the ranks unattended
     previous = {sig: signal.signal(sig, forward) for sig in (getattr(signal, n) for n in rt.StopSignal.SIGNALS)}
+    if early is not None:
+        early.hand_over(previous)
     stopped_early = early.value if early is not None else 0
     if stopped_early:  # the ranks read it once they have their handlers: a signal now would end their import
         forwarded.append(stopped_early)

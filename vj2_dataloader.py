@@ -243,12 +243,12 @@ def check_shapes(path, emb, act):
     if act[3] < len(config.ACTION_CHANNEL_NAMES):
         raise DataFileError(f"{path}: key 'actions' has C={act[3]} channels; expected at least "
                             f"{len(config.ACTION_CHANNEL_NAMES)}: {list(config.ACTION_CHANNEL_NAMES)}")
-    channels = len(config.ACTION_CHANNEL_NAMES)
-    if act[2] == channels < act[3]:  # every value would pass the range check: it trained on scrambled actions
+    if act[3] > config.MAX_ACTION_CHANNELS:  # every value would pass the range check: scrambled actions trained
         raise DataFileError(f"{path}: key 'actions' has shape {act}, A={act[2]} actions of C={act[3]} channels, "
-                            f"which is how actions stored channels-first ([N, T-1, C, A]) read; expected "
-                            f"{LAYOUTS['actions']} with the {list(config.ACTION_CHANNEL_NAMES)} channels last "
-                            f"(np.swapaxes(actions, 2, 3) converts them)")
+                            f"more than the {config.MAX_ACTION_CHANNELS} an action may have: actions stored "
+                            f"channels-first ([N, T-1, C, A]) read so; expected {LAYOUTS['actions']} with the "
+                            f"{list(config.ACTION_CHANNEL_NAMES)} channels last (np.swapaxes(actions, 2, 3) "
+                            f"converts them)")
     if emb[3] < config.MIN_EMBED_DIM:
         raise DataFileError(f"{path}: key 'embeddings' has D={emb[3]}; expected D >= {config.MIN_EMBED_DIM} "
                             f"(the predictor layer-norms tokens over D, and one value normalises to 0)")

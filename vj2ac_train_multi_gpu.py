@@ -518,6 +518,8 @@ def evaluate(args, launch):
 def main(argv=None):
     args = parse_args(argv)
     launch = rt.detect_launch_env()  # LOCAL_RANK from the environment wins over --local_rank
+    if args.evaluate:  # no save to stop at: a stop ends the evaluation, as it did before the early handlers
+        rt.FirstSignal(EARLY_STOPS).release()
     try:
         return evaluate(args, launch) if args.evaluate else train(args, launch)
     except BadInput as exc:

@@ -1,6 +1,7 @@
 """Faults that must never hang or desynchronise a run (2 gloo ranks, bounded timeouts):
 every fault ends in the same decision on every rank at the same step, with its cause named."""
 
+import errno
 import json
 import math
 import os
@@ -446,8 +447,12 @@ class TwoHeads(nn.Module):
         return self.lm(x)
 
 
-def _unused(rank, world_size, root, find_unused):
+def _unused(rank, world_size, root, find_unused, disk_full=False):
     data = synthetic_lm_data(TrainConfig.from_dict(CFG))
+    if disk_full and rank == 0:  # the save of the last good weights fails
+        def full(obj, path):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        rt.atomic_save = full
     try:
         s = DDPTrainer(rank=rank, world_size=world_size, model=TwoHeads(), train_dataset=data.train,
                        val_dataset=data.val, config=cfg_for(root, find_unused_parameters=find_unused)).train()
@@ -462,6 +467,11 @@ def test_unused_parameters_fail_at_the_first_step_with_names_and_the_flag(tmp_pa
         assert "unused_head.weight" in msg and "unused_head.bias" in msg and "find_unused_parameters" in msg
         assert "Expected to have finished reduction" not in msg
     assert spawn(_unused, 2, str(tmp_path / "b"), True) == ["completed", "completed"]
+    # a save that fails is logged, and the cause is still what every rank raises (it raised CheckpointError)
+    for msg in spawn(_unused, 2, str(tmp_path / "c"), False, True):
+        assert msg.startswith("StepFailed: step 1 failed") and "unused_head.weight" in msg, msg
+    log = (tmp_path / "c" / "logs" / "rank_0.log").read_text()
+    assert "could not save the last good weights: " in log and "No space left on device" in log
 
 
 class SometimesAux(nn.Module):

@@ -505,6 +505,29 @@ def test_stop_signal_for_set_up_leaves_ctrl_c_alone_until_training():
 
 
 
+def test_a_scripts_early_stop_handlers_give_the_signals_back_to_the_default(tmp_path, no_launch_env):
+    """The handlers a script installs before torch's import only collect stops: left in place after training,
+    or through an evaluation, they ignored every later SIGTERM (found by a review of that change)."""
+    from ddp_training import DDPTrainer, train_preemptible
+    early = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: early.append(signum))
+                for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        cfg = {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "seq_len": 8, "dataset_size": 64, "max_steps": 1,
+               "val_interval": 0, "device": "cpu", "log_dir": str(tmp_path), "checkpoint_dir": str(tmp_path / "ck")}
+        assert train_preemptible(lambda: DDPTrainer(config=cfg), tmp_path, rt.FirstSignal(early)) == 0
+        assert signal.getsignal(signal.SIGTERM) == signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    # a script that does not train lets them go, and a stop they caught is raised again: the default kills
+    code = (f"import os, signal, sys; sys.path.insert(0, {str(REPO)!r}); import ddp_runtime as rt; caught = []\n"
+            "signal.signal(signal.SIGTERM, lambda signum, frame: caught.append(signum))\n"
+            "os.kill(os.getpid(), signal.SIGTERM); rt.FirstSignal(caught).release(); print('alive')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == -signal.SIGTERM and "alive" not in r.stdout, r.stdout + r.stderr
+
+
 _SET_UP = """
 import sys, time
 sys.path.insert(0, {repo!r})

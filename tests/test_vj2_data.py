@@ -613,13 +613,19 @@ def test_actions_need_the_x_y_touch_channels(tmp_path):
 
 
 def test_actions_stored_channels_first_are_refused(tmp_path):
-    """[N, T-1, C, A] read as A=3 actions of 10 channels, all in range: it trained without a word."""
+    """[N, T-1, C, A] read as A=3 actions of 10 channels, all in range: it trained without a word. A few
+    actions of a few extra channels are no such layout."""
     emb, act = good(2)
     assert act.shape[2:] == (10, 3)
     np.savez(tmp_path / "cf.npz", embeddings=emb, actions=np.ascontiguousarray(act.swapaxes(2, 3)))
     with pytest.raises(DataFileError, match=r"cf.npz: key 'actions' has shape \(2, 3, 3, 10\), A=3 actions of C=10 "
-                                            r"channels, which is how actions stored channels-first"):
+                                            r"channels, more than the 8 an action may have: actions stored "
+                                            r"channels-first \(\[N, T-1, C, A\]\) read so"):
         validate_npz(tmp_path / "cf.npz")
+    np.savez(tmp_path / "extra.npz", embeddings=emb, actions=np.concatenate([act[:, :, :3], act[:, :, :3, :1]], -1))
+    validate_npz(tmp_path / "extra.npz")  # A=3 actions of 4 channels
+    with pytest.raises(ValueError, match="--action_channels must be <= 8, got 9"):
+        gen.generate(tmp_path / "nine", num_files=1, trajectories_per_file=1, channels=9)
 
 
 def test_a_file_linked_twice_in_a_directory_is_refused_and_a_file_is_no_directory(tmp_path):
