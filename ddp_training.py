@@ -2587,10 +2587,13 @@ def _a_rank_died_of_the_stop(procs: list, forwarded: list) -> bool:
     Ctrl-C's SIGINT, which a rank without a handler turns into a KeyboardInterrupt: exit 1, a failure). Then
     torch's join takes over."""
     from multiprocessing.connection import wait
-    while alive := [p.sentinel for p in procs if p.is_alive()]:  # never wait([]): that waits forever
-        wait(alive)
-        if any(p.exitcode not in (None, 0) for p in procs):
+    while True:
+        alive = [p.sentinel for p in procs if p.is_alive()]
+        # after the list: a rank that ended before it (is_alive() reaps it) is not waited for, so its exit
+        # code is read here; waiting for the others alone took until they ended (a peer in its rendezvous)
+        if not alive or any(p.exitcode not in (None, 0) for p in procs):  # never wait([]): that waits forever
             break
+        wait(alive)
     return bool(forwarded) and any(p.exitcode == -forwarded[0] != -signal.SIGINT for p in procs)
 
 

@@ -765,6 +765,29 @@ def _rank_1_refuses(rank, world_size, cfg, requested):
     rt.exit_process(0)
 
 
+def test_a_rank_that_failed_before_the_parent_waits_is_not_waited_past():
+    """The parent looked for a failed rank only after waiting on the live ones: a rank that had already failed
+    (is_alive() reaps it) left the parent waiting for its peer, 60 s in the test below, 1 run in 10."""
+    import threading
+    from ddp_training import _a_rank_died_of_the_stop
+
+    class Rank:
+        def __init__(self, exitcode, sentinel=None):
+            self.exitcode, self.sentinel = exitcode, sentinel
+
+        def is_alive(self):
+            return self.exitcode is None
+    quiet_r, quiet_w = os.pipe()  # rank 0 goes on (a rendezvous, a sleep): its sentinel never becomes ready
+    try:
+        done = threading.Event()
+        threading.Thread(target=lambda: (_a_rank_died_of_the_stop([Rank(None, quiet_r), Rank(2)], []), done.set()),
+                         daemon=True).start()
+        assert done.wait(5)
+    finally:
+        os.close(quiet_r)
+        os.close(quiet_w)
+
+
 def test_nproc_prints_the_reason_of_a_rank_that_refused_before_rank_0(capfd):
     """Only rank 0 printed a refusal; when a peer refused first (a check that every rank makes before they
     meet), torch ended rank 0 before it printed, and the run exited 2 without a word."""
