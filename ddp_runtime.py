@@ -389,7 +389,9 @@ def note_for_torchrun(message: str) -> bool:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return True
-    reason = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}
+    # "refused" says it is bad input whatever exit code torchrun pairs it with: a peer that refused too may be
+    # ended by torchrun's SIGTERM after writing this, and be taken for the first failure (exit -15)
+    reason = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time())), "refused": "true"}}}
     try:  # whole or not at all: torchrun's summary fails on a file it cannot parse
         atomic_write_text(path, json.dumps(reason))
     except OSError as exc:

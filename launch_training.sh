@@ -365,7 +365,8 @@ fi
 # The exit code of the worker that failed first, where it left torchrun its reason (the trainers do for bad input)
 if (( status != 0 )) && [[ -s "$TORCHELASTIC_ERROR_FILE" ]] && [[ "$("$python" -c 'import json, sys
 reason = json.load(open(sys.argv[1]))["message"]
-print(reason.get("errorCode", "") if isinstance(reason, dict) else "")' "$TORCHELASTIC_ERROR_FILE")" == 2 ]]; then
+refused = isinstance(reason, dict) and (reason.get("errorCode") == 2 or reason.get("extraInfo", {}).get("refused") == "true")
+print(2 if refused else "")' "$TORCHELASTIC_ERROR_FILE")" == 2 ]]; then
     say "the script refused its input (exit 2, the error above): exiting 2"
     exit 2
 fi
