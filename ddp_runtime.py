@@ -377,7 +377,7 @@ def teardown_distributed(synchronize: bool = False) -> None:
 def refuse(message: str, show: bool = True) -> int:
     """Bad input: one `error: ...` line on stderr (`show`: rank 0 prints it) and EXIT_BAD_INPUT. Under
     torchrun the reason also goes where torchrun looks for a worker's (TORCHELASTIC_ERROR_FILE, in the
-    format of torch's ErrorHandler): its failure summary then shows it, and adds the exit code, which is how
+    format of torch's ErrorHandler, marked as a refusal): its failure summary then shows it, and the mark is how
     the launcher tells bad input from a failure (torchrun itself exits 1 whatever its workers' codes)."""
     if not note_for_torchrun(f"error: {message}") or show:  # a reason its file lost is printed here
         print(f"error: {message}", file=sys.stderr, flush=True)
