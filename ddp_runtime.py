@@ -1271,8 +1271,6 @@ class FirstSignal:
     signal falls in between. Those handlers then give the signals back to the default (hand_over), not to the
     early handler, which would ignore every later stop; a script that does not train calls release()."""
 
-    SIGNALS = ("SIGTERM", "SIGUSR1")
-
     def __init__(self, received: list):
         self.received = received
 
@@ -1282,14 +1280,14 @@ class FirstSignal:
 
     def hand_over(self, previous: dict) -> None:
         """`previous`: the handlers that the new ones will restore; the early ones become the default."""
-        for name in self.SIGNALS:
+        for name in StopSignal.PREEMPT_SIGNALS:
             sig = getattr(signal, name)
             if sig in previous:
                 previous[sig] = signal.SIG_DFL
 
     def release(self) -> None:
         """The default handlers back; a stop caught meanwhile is raised again, as if they had never been there."""
-        for name in self.SIGNALS:
+        for name in StopSignal.PREEMPT_SIGNALS:
             signal.signal(getattr(signal, name), signal.SIG_DFL)
         if self.received:
             os.kill(os.getpid(), self.received[0])

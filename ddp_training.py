@@ -1431,7 +1431,7 @@ class DDPTrainer:
         g = dict(zip(keys, reduced), extras=reduced[len(keys):])
         if g["fatal"] or g["unused"]:
             self._raise_collectively(fatal or (f"parameters without gradients: {', '.join(unused)}"
-                                               if unused else None), save=True)
+                                               if unused else None))
         if g["data_errors"]:
             self._count_data_errors(int(g["data_errors"]))
         return g, names, raw_norm_value
@@ -1559,9 +1559,9 @@ class DDPTrainer:
             return [self.reducer_params[i] for i in indices]
         return [(n, p) for n, p in self.reducer_params if p.grad is None]
 
-    def _raise_collectively(self, mine: Optional[str], save: bool = False) -> None:
-        """Every rank learns every rank's error, logs them, and raises the same error; with
-        `save`, the weights (untouched by the failed step) go to <prefix>_interrupted.pt first."""
+    def _raise_collectively(self, mine: Optional[str]) -> None:
+        """Every rank learns every rank's error, logs them, and raises the same error; the weights (untouched
+        by the failed step) go to <prefix>_interrupted.pt first."""
         reports = rt.gather_objects(mine)
         lines = [f"rank {r}: {m}" for r, m in enumerate(reports) if m]
         text = f"step {self.global_step + 1} failed on " + "; ".join(lines)
@@ -1569,11 +1569,10 @@ class DDPTrainer:
             text += (" -- the model's forward left these parameters unused; set find_unused_parameters=true "
                      "(--find_unused_parameters true) or make every parameter take part in the loss")
         self.log.error(text)
-        if save:
-            try:  # a failed write reaches every rank alike (the writer's flush): all go on to raise the cause
-                self._save_last_good()
-            except Exception as exc:
-                self.log.error("could not save the last good weights: %s: %s", type(exc).__name__, exc)
+        try:  # a failed write reaches every rank alike (the writer's flush): all go on to raise the cause
+            self._save_last_good()
+        except Exception as exc:
+            self.log.error("could not save the last good weights: %s: %s", type(exc).__name__, exc)
         raise StepFailed(text)
 
     def _explain_failure(self, exc: Exception) -> StepFailed:
@@ -1598,8 +1597,7 @@ class DDPTrainer:
         mine = self.local_errors[-1] if self.local_errors else None
         if self.epoch_data_errors > self.cfg.max_errors_per_epoch:
             self._raise_collectively(f"{mine} ({self.epoch_data_errors} data errors this epoch, "
-                                     f"max_errors_per_epoch={self.cfg.max_errors_per_epoch})" if mine else None,
-                                     save=True)
+                                     f"max_errors_per_epoch={self.cfg.max_errors_per_epoch})" if mine else None)
         self.log.warning("%d batch(es) failed to load at step %d (%d this epoch, max %d); the step uses the "
                          "other batches%s", n, self.global_step + 1, self.epoch_data_errors,
                          self.cfg.max_errors_per_epoch, f"; here: {mine}" if mine else "")

@@ -160,12 +160,14 @@ def last_session(records: list, path) -> list:
                                                                      last_val_step == step))):
             repeated += 1  # what a resumed session redoes replaces the earlier records
             kept = [r for r in kept if not superseded(r, step, rec["type"])]
-            last_val_step = None if last_val_step is not None and last_val_step >= step else last_val_step
+            if last_val_step is not None and last_val_step >= step:  # that validation went with them
+                last_val_step = None
         if stepped and summary_before:  # a session goes on after that summary: it was no run's end
             kept = [r for r in kept if r["type"] != "summary"]
-        if stepped:
-            last_step = step if rec["type"] == "train" else last_step
-            last_val_step = step if rec["type"] == "val" else last_val_step
+        if stepped and rec["type"] == "train":
+            last_step = step
+        elif stepped:
+            last_val_step = step
         summary_before = rec["type"] == "summary" or (summary_before and not stepped)
         kept.append(rec)
     if new_run:
