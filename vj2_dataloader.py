@@ -25,6 +25,7 @@ import hashlib
 import math
 import os
 import struct
+import tokenize
 import warnings
 import zipfile
 import zlib
@@ -188,7 +189,9 @@ def read_member(path, zf, key, max_ratio, max_bytes):
             if version not in NPY_HEADER_READERS:
                 raise ValueError(f"unsupported .npy format version {version}")
             shape, fortran_order, dtype = NPY_HEADER_READERS[version](fp)
-        except ValueError as e:
+        # numpy's parser for a damaged header dict (or dtype string) can also fail as a SyntaxError or
+        # tokenize's TokenError, never as a ValueError
+        except (ValueError, SyntaxError, tokenize.TokenError) as e:
             raise DataFileError(f"{path}: key '{key}' is not a valid .npy array ({e}); "
                                 f"expected a {FLOAT_DTYPES} array {LAYOUTS[key]}") from e
         header_bytes = fp.tell()
@@ -573,5 +576,6 @@ def data_fingerprint(path):
     try:
         with zipfile.ZipFile(path) as zf:
             return tuple((i.CRC, i.file_size) for i in (zf.getinfo(member_name(path, zf, k)) for k in KEYS))
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError):  # DataFileError too: the loader says why
+    # DataFileError too; NotImplementedError: a zip version Python cannot extract. The loader says why
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError):
         return None

@@ -493,6 +493,25 @@ def write_bomb_header(p):
         zf.writestr("actions.npy", npy_bytes((2, 3, 10, 3), np.float32, np.zeros(180, np.float32).tobytes()))
 
 
+def write_unterminated_header(p):
+    # a header dict whose closing brace rotted: numpy's fallback parser fails with tokenize's error, no ValueError
+    emb, act = good()
+    header = npy(emb)
+    brace = header.index(b"}")
+    with zipfile.ZipFile(p, "w") as zf:
+        zf.writestr("embeddings.npy", header[:brace] + b" " + header[brace + 1:])
+        zf.writestr("actions.npy", npy(act))
+
+
+def write_mangled_descr(p):
+    # a dtype string '02f2': a SyntaxError from numpy's dtype parser
+    emb, act = good()
+    header = npy(emb)
+    with zipfile.ZipFile(p, "w") as zf:
+        zf.writestr("embeddings.npy", header.replace(b"'<f2', ", b"'02f2',", 1))
+        zf.writestr("actions.npy", npy(act))
+
+
 BAD_FILES = {
     "not_zip": (write_not_zip, ["not a zip archive"]),
     "truncated": (write_truncated, ["not a readable .npz archive"]),
@@ -516,6 +535,8 @@ BAD_FILES = {
     "negative_touch": (write_negative_touch_float16, ["key 'actions'", "channel 2 (touch) from -1 to 0.99",
                                                       "expected every [x, y, touch] value in [0, 1]"]),
     "pickle": (write_pickle, ["key 'actions'", "pickle", "refusing to unpickle"]),
+    "unterminated_header": (write_unterminated_header, ["key 'embeddings' is not a valid .npy array"]),
+    "mangled_descr": (write_mangled_descr, ["key 'embeddings' is not a valid .npy array"]),
     "bomb_header": (write_bomb_header, ["key 'embeddings'", "declares shape (1000000, 8, 256, 1024)", "zip bomb"]),
 }
 
@@ -583,6 +604,13 @@ def test_data_fingerprint_is_equal_for_copies_and_other_layouts_of_the_same_arra
     write_missing_key(tmp_path / "half.npz")
     assert vj2_dataloader.data_fingerprint(tmp_path / "junk.npz") is None
     assert vj2_dataloader.data_fingerprint(tmp_path / "half.npz") is None
+    # a central directory entry asking for a zip version Python cannot extract: NotImplementedError
+    newer = tmp_path / "newer.npz"
+    data = bytearray(a[0].read_bytes())
+    entry = data.rindex(b"PK\x01\x02")
+    data[entry + 6] = 64  # "version needed to extract": 6.4
+    newer.write_bytes(bytes(data))
+    assert vj2_dataloader.data_fingerprint(newer) is None
 
 
 def test_high_compression_ratio_is_refused(tmp_path):
