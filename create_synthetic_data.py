@@ -179,7 +179,7 @@ def write_npy_member(zf, key, shape, dtype, chunks):
 def write_file(path, world, rng, n, steps, actions_per_step, channels, dtype, compress, noise, save_states):
     states, actions = simulate(rng, n, steps, actions_per_step, channels)
     emb_shape = (n, steps, len(world.pos), world.w2.shape[1])
-    # a crash mid-write leaves a .tmp behind, never a half-written .npz that the loader would pick up
+    # a killed process leaves a .tmp behind, never a half-written .npz that the loader would pick up
     tmp = path.with_name(path.name + ".tmp")
     try:
         with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED) as zf:
@@ -187,8 +187,8 @@ def write_file(path, world, rng, n, steps, actions_per_step, channels, dtype, co
             write_npy_member(zf, "actions", actions.shape, np.float32, [actions])
             if save_states:
                 write_npy_member(zf, "states", states.shape, np.float32, [states])
-    except Exception:
-        tmp.unlink(missing_ok=True)  # a refused file leaves nothing behind
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a refused or interrupted (Ctrl-C) file leaves nothing behind
         raise
     os.replace(tmp, path)
     return emb_shape, actions.shape

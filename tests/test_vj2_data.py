@@ -139,6 +139,16 @@ def test_a_chunk_that_overflows_the_dtype_is_not_written(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_write_interrupted_by_ctrl_c_leaves_no_file(tmp_path, monkeypatch):
+    def interrupted(*args):
+        yield from ()
+        raise KeyboardInterrupt
+    monkeypatch.setattr(gen, "embedding_chunks", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        gen.generate(tmp_path, num_files=1, trajectories_per_file=2, **SMALL)
+    assert list(tmp_path.iterdir()) == []  # at real shapes a .tmp left here would hold gigabytes
+
+
 def test_cli_refuses_a_validation_set_in_the_training_directory(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     small = ["--num_files", "2", "--trajectories_per_file", "2", "--num_steps", "3", "--patches", "2",
