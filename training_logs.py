@@ -13,7 +13,9 @@ Summary columns: total_time_s is the time of every session of the run added up (
 session per launch; start-up and the time between launches are not counted), avg_samples_per_s is the
 samples trained over that time (so it includes validation and checkpoints), mfu is the median of the
 steps' model FLOPs utilisation (CUDA runs of models that count their FLOPs; "-" otherwise). A run whose
-metrics.jsonl has no complete record yet (it has just started) is a row with status "no records yet".
+metrics.jsonl has no complete record yet (it has just started) is a row with status "no records yet",
+unless its rank_0.log holds an error: "failed in set-up" (no metrics.jsonl) or "failed before its first
+record".
 
 Plot layout: the default loss-curve figure has one row per run (train loss, val loss, learning rate on a
 second y axis); --compare puts every run in one axes instead. A --metrics grid has one subplot per metric
@@ -50,6 +52,7 @@ SUMMARY_FIELDS = ("name", "status", "steps", "sessions", "final_val_loss", "best
                   "total_time_s", "avg_samples_per_s", "mfu", "world_size", *PEAK_KEYS)
 NO_RECORDS = "no records yet"
 SET_UP_FAILED = "failed in set-up"
+FAILED_EARLY = "failed before its first record"
 LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \[RANK \d+\] ")  # rt.setup_logger's format
 
 
@@ -66,6 +69,12 @@ class NoRecords(LogError):
 class SetUpFailed(NoRecords):
     """A run that logged an error before it trained a step (bad input, data that differs between ranks)."""
     status = SET_UP_FAILED
+
+
+class FailedEarly(NoRecords):
+    """A run that logged an error after it opened its metrics file and before it wrote a record (its first
+    steps: a loss_fn that returns no tensor, unused parameters)."""
+    status = FAILED_EARLY
 
 
 def warn(msg: str) -> None:
@@ -266,7 +275,14 @@ def load_run(run_dir, name: Optional[str] = None) -> Run:
             raise NoRecords(f"{run_dir}: no {METRICS_FILE} yet (the run is still setting up)")
         raise LogError(f"{run_dir}: no {METRICS_FILE} here (not a run directory? "
                        f"`summary --all {run_dir}` searches below it)")
-    records = last_session(read_metrics(path), path)
+    try:
+        records = read_metrics(path)
+    except NoRecords:
+        error = first_error(run_dir / "rank_0.log") if (run_dir / "rank_0.log").is_file() else None
+        if error:
+            raise FailedEarly(f"{run_dir}: failed before its first record: {error}") from None
+        raise
+    records = last_session(records, path)
     run = Run(name=name or run_dir.resolve().name, path=run_dir)
     run.sessions, run.earlier_sessions_s = add_elapsed(records)
     for rec in records:
@@ -296,7 +312,9 @@ def first_error(log: Path) -> Optional[str]:
     starts = [i for i, line in enumerate(lines) if SESSION_START.search(line)]
     for i, line in enumerate(lines[starts[-1] if starts else 0:], start=starts[-1] if starts else 0):
         if "] ERROR: " in line:
-            message = line.split("] ERROR: ", 1)[1].strip()
+            # the logger's exception() puts "Traceback ..." on the message's own line
+            message = line.split("] ERROR: ", 1)[1].removesuffix("Traceback (most recent call last):")
+            message = message.strip().removesuffix(":")
             after = []
             for later in lines[i + 1:]:
                 if LOG_LINE.match(later):
@@ -458,7 +476,7 @@ def format_summaries(rows: list, fmt: str = "one-line") -> str:
         lines = []
         for r in rows:
             f = {k: _fmt(k, r[k]) for k in SUMMARY_FIELDS}
-            if r["status"] in (NO_RECORDS, SET_UP_FAILED):
+            if r["status"] in (NO_RECORDS, SET_UP_FAILED, FAILED_EARLY):
                 lines.append(f"{f['name']}: {r['status']}")
                 continue
             lines.append(f"{f['name']}: {f['status']}, {f['steps']} steps, val {f['final_val_loss']} "

@@ -606,6 +606,32 @@ def test_a_run_that_failed_in_set_up_says_so_and_why(tmp_path, capsys, no_launch
            f"files" in err, err
 
 
+def test_a_run_that_failed_in_its_first_step_says_so_and_why(tmp_path, capsys, no_launch_env):
+    """The trainer opens metrics.jsonl before its first step: a run whose loss_fn fails there leaves it empty,
+    and its error in rank_0.log (it was shown as "no records yet", like a run just starting)."""
+    def no_tensor(model, batch):
+        return "not a loss"
+    run = tmp_path / "runs" / "a"
+    cfg = {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "seq_len": 8, "dataset_size": 64, "batch_size": 8,
+           "max_steps": 5, "device": "cpu", "resume": "none", "log_dir": str(run), "checkpoint_dir": str(run / "c")}
+    with pytest.raises(Exception):
+        DDPTrainer(rank=0, world_size=1, config=cfg, loss_fn=no_tensor).train()
+    assert (run / "metrics.jsonl").read_text() == ""
+    capsys.readouterr()
+    assert tl.main(["summary", "--all", str(tmp_path / "runs"), "--format", "json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["status"] == "failed before its first record"
+    assert tl.main(["plot", str(run), "--output", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert f"{run}: failed before its first record: step 1 raised on this rank: TypeError: loss_fn must return " \
+           f"(loss_sum, count)" in err, err
+    # a run whose first steps are only slow has no error: no records yet
+    (run / "rank_0.log").write_text("")
+    with pytest.raises(tl.NoRecords, match="is empty") as exc:
+        tl.load_run(run)
+    assert exc.type is tl.NoRecords
+
+
 def test_a_summary_rounded_below_the_last_record_is_the_same_session(tmp_path):
     # wall_time_s is rounded to ms: 0.3 ms after a record at 2.0004 s it reads 2.0, and was a second session
     recs = train_recs([1, 2], spe=4, dt=1.0002)
