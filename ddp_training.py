@@ -2398,7 +2398,9 @@ class DDPTrainer:
                    "resumed_from": None if self.resumed_from is None else str(self.resumed_from), "epochs": self.epoch,
                    "final_val_loss": self.last_val,
                    "best_val_loss": None if math.isinf(self.best_val) else self.best_val,
-                   "test_loss": None if test is None else test["loss"], "wall_time_s": round(wall, 3),
+                   # the count says there was a test set: a loss that was not finite is written as null too
+                   "test_loss": None if test is None else test["loss"],
+                   "test_count": None if test is None else test["count"], "wall_time_s": round(wall, 3),
                    "samples_per_s": self.samples_seen / wall if wall > 0 else None,
                    "skipped_steps": self.skipped_steps, "world_size": self.env.world_size,
                    "steps_per_epoch": self.known_steps_per_epoch, "global_batch": self._global_batch(),

@@ -392,6 +392,13 @@ def final_val_loss(run: Run) -> Optional[float]:
     return last if is_number(last) else (float("nan") if run.val else None)
 
 
+def test_loss(summary: dict) -> Optional[float]:
+    """NaN for a test loss that was not finite (written as null, with the test set's count), else as written."""
+    if summary.get("test_loss") is None and summary.get("test_count"):
+        return float("nan")
+    return summary.get("test_loss")
+
+
 def world_size(run: Run) -> Optional[int]:
     """From the summary; for a run without one, from the newest "rank 0/N" line of rank_0.log (each session
     logs it at its start; counting rank_N.log files would count an earlier run's ranks in a reused dir)."""
@@ -435,7 +442,7 @@ def summarize(run: Run) -> dict:
         "final_val_loss": final_val_loss(run),
         "best_val_loss": s["best_val_loss"] if s.get("best_val_loss") is not None
         else (min(vals) if vals else None),
-        "test_loss": s.get("test_loss"),
+        "test_loss": test_loss(s),
         "total_time_s": seconds,
         "avg_samples_per_s": rate,
         "mfu": statistics.median(mfus) if mfus else None,

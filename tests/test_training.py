@@ -152,6 +152,7 @@ def test_a_fraction_of_zero_holds_nothing_out(tmp_path, no_launch_env, data):
         assert len(trainer.train_loader.dataset) > len(held.train_loader.dataset) + 0.9 * len(held.val_loader.dataset)
     s = trainer.train()
     assert s["status"] == "completed" and s["final_val_loss"] is None and s["test_loss"] is None
+    assert s["test_count"] is None
     assert metrics(tmp_path / "logs", "val") == []
     with pytest.raises(ValueError, match="patience=2, target_loss=None: early stopping reads the validation loss"):
         DDPTrainer(config={**cfg, "patience": 2})
@@ -206,7 +207,8 @@ def test_dataloader_workers_are_stopped_when_train_returns(tmp_path, no_launch_e
                for ld in (trainer.train_loader, trainer.val_loader, trainer.test_loader))
     # evaluate() after train() starts the workers again, and stops them when it is done
     assert abs(trainer.evaluate()["loss"] - summary["final_val_loss"]) < 1e-6
-    assert abs(trainer.evaluate(trainer.test_loader)["loss"] - summary["test_loss"]) < 1e-6
+    tested = trainer.evaluate(trainer.test_loader)
+    assert abs(tested["loss"] - summary["test_loss"]) < 1e-6 and tested["count"] == summary["test_count"] > 0
     assert left() == [], [(p.pid, p.cmdline()[:3]) for p in left()]
 
 

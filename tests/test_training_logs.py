@@ -526,6 +526,12 @@ def test_a_last_validation_that_was_not_finite_is_the_final_loss_not_an_earlier_
         assert math.isnan(row["final_val_loss"]) and row["best_val_loss"] == 3.0, name
     assert tl.main(["summary", str(tmp_path / "done"), "--format", "json"]) == 0
     assert json.loads(capsys.readouterr().out)[0]["final_val_loss"] is None
+    # a test loss that was not finite is null too; the test set's count tells it from no test set
+    tested = write_run(tmp_path / "tested", train_recs(range(1, 5), spe=100) + vals + [dict(summary, test_count=96)])
+    assert math.isnan(tl.summarize(tl.load_run(tested))["test_loss"])
+    assert tl.main(["summary", str(tested)]) == 0
+    assert "val nan (best 3.0000), test nan," in capsys.readouterr().out
+    assert tl.summarize(tl.load_run(tmp_path / "done"))["test_loss"] is None
     assert tl.summarize(tl.load_run(write_run(tmp_path / "none", train_recs(range(1, 3), spe=9))))[
         "final_val_loss"] is None
 
