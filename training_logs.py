@@ -21,7 +21,8 @@ Plot layout: the default loss-curve figure has one row per run (train loss, val 
 second y axis); --compare puts every run in one axes instead. A --metrics grid has one subplot per metric
 and always overlays the runs. --x epoch is step / steps per epoch, as the trainer states it in val and
 summary records (or where the records' steps and epochs pin it down); without it, it is an error. Bad
-input (no metrics.jsonl, a corrupt line, an unknown metric) exits with status 2 and a message; a
+input (no metrics.jsonl, a corrupt line, an unknown metric) exits with status 2 and a message, except a
+damaged run found by --all, which is a row with status "unreadable" (the reason on stderr); a
 cut-short or non-UTF-8 last line (a run killed mid-write) only warns, as does a record whose step is not a
 whole number (it is skipped); plot leaves out runs with no records yet. Null, NaN and inf values (the trainer
 writes null for the loss of a step skipped for a non-finite loss) are no measurement: curves leave them out.
@@ -53,6 +54,7 @@ SUMMARY_FIELDS = ("name", "status", "steps", "sessions", "final_val_loss", "best
 NO_RECORDS = "no records yet"
 SET_UP_FAILED = "failed in set-up"
 FAILED_EARLY = "failed before its first record"
+UNREADABLE = "unreadable"  # a run found by --all whose files are damaged: the others are still listed
 LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \[RANK \d+\] ")  # rt.setup_logger's format
 
 
@@ -339,9 +341,10 @@ def find_runs(root) -> list:
 
 def load_runs(dirs=(), root=None) -> list:
     """Runs named by the directory name; the path is used instead where names would collide."""
-    named = []
+    named, found = [], []
     if root is not None:
-        for d in find_runs(root):
+        found = find_runs(root)
+        for d in found:
             rel = d.relative_to(root)
             named.append((d, str(rel) if rel.parts else Path(root).resolve().name))
     named += [(run_dir_of(d), run_dir_of(d).resolve().name) for d in dirs]
@@ -355,6 +358,12 @@ def load_runs(dirs=(), root=None) -> list:
             runs.append(load_run(d, name))
         except NoRecords as exc:
             runs.append(Run(name=name, path=Path(d), no_records=str(exc), status=exc.status))
+        except (LogError, OSError) as exc:
+            if d not in found:  # a run named on the command line: its damage is the answer
+                raise
+            reason = str(exc) if isinstance(exc, LogError) else f"{type(exc).__name__}: {exc}"
+            warn(f"{d}: {UNREADABLE}: {reason}")
+            runs.append(Run(name=name, path=Path(d), no_records=reason, status=UNREADABLE))
     return runs
 
 
@@ -483,7 +492,7 @@ def format_summaries(rows: list, fmt: str = "one-line") -> str:
         lines = []
         for r in rows:
             f = {k: _fmt(k, r[k]) for k in SUMMARY_FIELDS}
-            if r["status"] in (NO_RECORDS, SET_UP_FAILED, FAILED_EARLY):
+            if r["status"] in (NO_RECORDS, SET_UP_FAILED, FAILED_EARLY, UNREADABLE):
                 lines.append(f"{f['name']}: {r['status']}")
                 continue
             lines.append(f"{f['name']}: {f['status']}, {f['steps']} steps, val {f['final_val_loss']} "

@@ -480,6 +480,15 @@ def test_last_line_not_utf8_warns_and_works(tmp_path, capsys):
     path.write_bytes(b'{"type": "train", "step": 1, "lo\xff\xfe\n' + path.read_bytes())
     assert tl.main(["summary", str(d)]) == 2
     assert f"{path}:1: not a JSON record (not UTF-8)" in capsys.readouterr().err
+    # found by --all, the damaged run is a row that says so, and the others are still listed and plotted
+    write_run(tmp_path / "good", train_recs(range(1, 5), spe=100))
+    assert tl.main(["summary", "--all", str(tmp_path), "--format", "json"]) == 0
+    out = capsys.readouterr()
+    assert [(r["name"], r["status"], r["steps"]) for r in json.loads(out.out)] == [
+        ("good", "incomplete", 4), ("torn", "unreadable", None)]
+    assert f"warning: {d}: unreadable: {path}:1: not a JSON record (not UTF-8)" in out.err
+    assert tl.main(["plot", "--all", str(tmp_path), "--output", str(tmp_path / "x.png")]) == 0
+    assert f"{d}: not plotted: {path}:1: not a JSON record" in capsys.readouterr().err
 
 
 def test_record_whose_step_is_not_a_whole_number_is_skipped(tmp_path, capsys):
