@@ -401,7 +401,11 @@ def note_for_torchrun(message: str) -> bool:
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose errors (exit 2) also reach torchrun's failure summary and the launcher (see refuse)."""
+    """argparse whose errors (exit 2) also reach torchrun's failure summary and the launcher (see refuse),
+    and that takes no abbreviated flags: the launcher reads --log_dir from the scripts' arguments as typed."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message):
         note_for_torchrun(f"{self.prog}: error: {message}")

@@ -237,9 +237,17 @@ class TrainConfig:
             raise ValueError(f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}")
         if self.num_epochs < 1 and self.max_steps < 1:
             raise ValueError("set num_epochs >= 1 or max_steps >= 1")
-        if not 0 < self.dist_timeout <= MAX_TIMEOUT_S or self.first_step_timeout > MAX_TIMEOUT_S:
-            raise ValueError(f"dist_timeout must be positive seconds and it and first_step_timeout at most "
+        # under a second, the rendezvous itself times out before the peers can meet
+        if not 1 <= self.dist_timeout <= MAX_TIMEOUT_S or self.first_step_timeout > MAX_TIMEOUT_S:
+            raise ValueError(f"dist_timeout must be at least 1 s and it and first_step_timeout at most "
                              f"{MAX_TIMEOUT_S:g}, got {self.dist_timeout} and {self.first_step_timeout}")
+        if self.loader_timeout > MAX_TIMEOUT_S:  # Python's own waits overflow past about 1e10 s
+            raise ValueError(f"config key 'loader_timeout' must be at most {MAX_TIMEOUT_S:g}, got {self.loader_timeout}")
+        if not 0 <= self.seed < 2 ** 32:  # numpy's seeding range
+            raise ValueError(f"config key 'seed' must be in [0, 2**32), got {self.seed}")
+        for key in ("data", "log_dir", "checkpoint_dir"):  # "$DATA" with DATA unset must not mean "the default"
+            if getattr(self, key) == "":
+                raise ValueError(f"config key {key!r} must be a path (or none for the default), got an empty string")
         if (why := rt.bad_run_name(self.run_name)) is not None:
             raise ValueError(f"config key 'run_name' {why} (log_dir, checkpoint_dir)")
         # it names files in checkpoint_dir and is matched as a glob pattern there
@@ -264,7 +272,7 @@ def _typed(key: str, value, tp):
     if isinstance(value, bool) and tp not in (bool, Optional[bool]):
         raise ValueError(f"config key {key!r} expects {_type_name(tp)}, got {value!r}")
     try:
-        return _field_parser(tp)(str(value))
+        return _field_parser(tp, key)(str(value))
     except (ValueError, argparse.ArgumentTypeError) as exc:
         raise ValueError(f"config key {key!r} expects {_type_name(tp)}, got {value!r}") from exc
 
@@ -958,9 +966,12 @@ class DDPTrainer:
                  loss_fn: Optional[LossFn] = None, collate_fn=None,
                  checkpoint_extra: Optional[dict] = None, weights_key: str = "model",
                  count_unit: str = "tokens", describe: Optional[str] = None, data_fingerprint: Optional[str] = None,
-                 resume_must_match: Optional[dict] = None):
+                 resume_must_match: Optional[dict] = None, run_config: Optional[dict] = None):
         self.cfg = TrainConfig.from_dict(config)
         cfg = self.cfg
+        # what the run dir's config.yaml holds: a script with flags of its own passes them (loadable by its
+        # --config); by default the resolved TrainConfig
+        self.run_config = run_config
         # a user's dataset may be costly or random to read: its owner says what identifies it, if anything
         self.data_fingerprint = None if data_fingerprint is None else USER_FINGERPRINT + data_fingerprint
         # what else a resume must find unchanged, by name (the loss's definition, the validation set: the best
@@ -2317,6 +2328,9 @@ class DDPTrainer:
 
     def _write_resolved_config(self) -> None:
         import yaml
+        if self.run_config is not None:
+            (Path(self.cfg.log_dir) / "config.yaml").write_text(yaml.safe_dump(self.run_config, sort_keys=False))
+            return
         # Loadable again with --config, so a run can be repeated exactly.
         resolved = dataclasses.asdict(self.cfg)
         # Dirs derived from run_name stay derived, so the file with another --run_name makes another run
@@ -2324,6 +2338,9 @@ class DDPTrainer:
             resolved["checkpoint_dir"] = None
         if resolved["log_dir"] == str(Path("runs") / self.cfg.run_name):
             resolved["log_dir"] = None
+        # how this launch began (fresh, from another state) is no property of the run: loaded again, the
+        # file continues this run
+        resolved["resume"] = TrainConfig.resume
         (Path(self.cfg.log_dir) / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
 
     def _set_aside_old_states(self) -> None:
@@ -2434,17 +2451,38 @@ def parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
-def _field_parser(tp):
-    """argparse `type=` for a dataclass field annotation (Optional[X] accepts 'none')."""
+# Keys whose unset value (None) means "decide": their README default is "auto", which is accepted as well
+AUTO_KEYS = ("dist_backend", "static_graph")
+
+
+def _field_parser(tp, key=None):
+    """argparse `type=` for a dataclass field annotation (Optional[X] accepts 'none', and 'auto' for
+    AUTO_KEYS)."""
+    none_words = ("none", "null", "auto") if key in AUTO_KEYS else ("none", "null")
     args = typing.get_args(tp)
     inner = next(a for a in args if a is not type(None)) if args else tp
     base = {bool: parse_bool, int: int, float: float, str: str}[inner]
     if not args:
         return base
-    return lambda text: None if str(text).lower() in ("none", "null") else base(text)
+
+    def optional(text):
+        return None if str(text).lower() in none_words else base(text)
+    optional.__name__ = f"{base.__name__} (or none)"  # argparse names it in "invalid ... value"
+    return optional
 
 
 def config_from_yaml(path: str) -> dict:
+    """TrainConfig keys from a YAML file (--config)."""
+    data = load_yaml_mapping(path)
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    for key in data:
+        if key not in known:
+            raise ValueError(f"--config {path}: unknown config key {key!r}")
+    return data
+
+
+def load_yaml_mapping(path: str) -> dict:
+    """The flat mapping a --config file holds; a repeated key, bad YAML or another shape is an error."""
     import yaml
 
     class NoRepeats(yaml.SafeLoader):  # PyYAML keeps the last of two equal keys without a word
@@ -2458,14 +2496,10 @@ def config_from_yaml(path: str) -> dict:
     try:
         with open(path) as f:
             data = yaml.load(f, Loader=NoRepeats) or {}
-    except (OSError, yaml.YAMLError) as exc:
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as exc:
         raise ValueError(f"--config {path}: {exc}") from exc
     if not isinstance(data, dict):
         raise ValueError(f"--config {path}: expected a flat mapping of config keys, got {type(data).__name__}")
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    for key in data:
-        if key not in known:
-            raise ValueError(f"--config {path}: unknown config key {key!r}")
     return data
 
 
@@ -2479,11 +2513,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
         flags = [f"--{f.name}"] + ALIASES.get(f.name, [])
-        switch = dict(nargs="?", const=True) if hints[f.name] is bool else {}  # a bare --debug means true
+        # a bare --debug means true
+        switch = dict(nargs="?", const=True) if hints[f.name] in (bool, Optional[bool]) else {}
         choices = [c for c in CHOICES.get(f.name, ()) if c is not None] or None
-        p.add_argument(*flags, dest=f.name, type=_field_parser(hints[f.name]), default=argparse.SUPPRESS,
+        p.add_argument(*flags, dest=f.name, type=_field_parser(hints[f.name], f.name), default=argparse.SUPPRESS,
                        metavar="{" + ",".join(choices) + "}" if choices else f.name.upper(),
-                       help=f"{HELP[f.name]} (default: {f.default})", **switch)
+                       help=f"{HELP[f.name]} (default: {'auto' if f.name in AUTO_KEYS else f.default})", **switch)
     return p
 
 
@@ -2495,6 +2530,7 @@ def config_from_args(args: argparse.Namespace) -> dict:
         cfg.update(TEST_PRESET)
     if args.cpu:
         cfg["device"] = "cpu"
+        cfg["dist_backend"] = None  # gloo, over a file's nccl; a --dist_backend flag still wins (below)
     # Another run name (a flag, or --test's) is another run: the file's run dirs would mix their files
     renamed = "--run_name" if hasattr(args, "run_name") else "--test" if args.test else None
     if getattr(args, "run_name", cfg.get("run_name")) == file_run_name:

@@ -26,9 +26,11 @@ if __name__ == "__main__":
     for _sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(_sig, lambda signum, frame: EARLY_STOPS.append(signum))
 
+import argparse
 import json
 import math
 import numbers
+import sys
 from contextlib import contextmanager
 from functools import partial
 
@@ -40,7 +42,8 @@ from torch.utils.data import Dataset
 
 import config
 import ddp_runtime as rt
-from ddp_training import MAX_TIMEOUT_S, BadInput, DataMismatch, DDPTrainer, RunDirInUse, evaluate_model, train_preemptible
+from ddp_training import (MAX_TIMEOUT_S, BadInput, DataMismatch, DDPTrainer, RunDirInUse, evaluate_model,
+                          load_yaml_mapping, train_preemptible)
 from vj2_dataloader import VJ2TrajectoryDataset, data_fingerprint, list_files
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -288,6 +291,7 @@ PRESET_LR = {"tiny": 1e-2, "small": 5e-3, "vjepa2_ac": 4e-4}
 def build_parser():
     p = rt.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     d = " (default %(default)s)"
+    p.add_argument("--config", help="YAML file of flag names and values (a run dir's config.yaml); flags win")
     p.add_argument("--processed_data_dir", help="training .npz files (required unless --evaluate)")
     p.add_argument("--validation_data_dir", help="validation .npz files (required)")
     p.add_argument("--num_epochs", type=int, default=1, help=d)
@@ -336,16 +340,27 @@ def build_parser():
     return p
 
 
+# Flags of one launch, not of the run: not in the run dir's config.yaml, and not taken from a --config file
+NOT_RECORDED = ("help", "config", "evaluate", "shuffle_actions", "local_rank", "test")
+
+
 def parse_args(argv=None):
+    """Defaults < --config file < --test < flags."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.config:
+        parser.set_defaults(**defaults_from_file(parser, args.config, given_flags(argv)))
     if args.test:
         parser.set_defaults(**TEST_DEFAULTS)
-        args = parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for flag in ("processed_data_dir", "validation_data_dir", "evaluate", "checkpoint_dir", "log_dir"):
+        if getattr(args, flag) == "":  # "$DIR" with DIR unset must not mean "the default"
+            parser.error(f"--{flag} must be a path, got an empty string")
     for key, value in config.PREDICTOR_PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.lr = PRESET_LR[args.preset] if args.lr is None else args.lr
+    given_device = args.device  # recorded as given: a file from a GPU run also loads on the CPU
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.evaluate:
         if not args.validation_data_dir:
@@ -374,13 +389,74 @@ def parse_args(argv=None):
     for flag in ("lr", "dist_timeout", "loader_timeout"):
         if not getattr(args, flag) > 0:
             parser.error(f"--{flag} must be > 0, got {getattr(args, flag)}")
-    if args.dist_timeout > MAX_TIMEOUT_S:
-        parser.error(f"--dist_timeout must be <= {MAX_TIMEOUT_S:g} seconds, got {args.dist_timeout:g}")
+    if not 1 <= args.dist_timeout <= MAX_TIMEOUT_S:  # under a second the rendezvous itself times out
+        parser.error(f"--dist_timeout must be from 1 to {MAX_TIMEOUT_S:g} seconds, got {args.dist_timeout:g}")
+    if args.loader_timeout > MAX_TIMEOUT_S:  # Python's own waits overflow past about 1e10 s
+        parser.error(f"--loader_timeout must be <= {MAX_TIMEOUT_S:g} seconds, got {args.loader_timeout:g}")
+    if not 0 <= args.seed < 2 ** 32:  # numpy's seeding range
+        parser.error(f"--seed must be in [0, 2**32), got {args.seed}")
     if args.predictor_dim % args.num_heads:
         parser.error(f"--predictor_dim {args.predictor_dim} must be divisible by --num_heads {args.num_heads}")
     if (why := rt.bad_run_name(args.run_name)) is not None:
         parser.error(f"--run_name {why} (--checkpoint_dir, --log_dir)")
+    # how this launch began is no property of the run: loaded again, the file continues it
+    args.run_config = {**{k: v for k, v in vars(args).items() if k not in NOT_RECORDED},
+                       "device": given_device, "resume": "auto"}
     return args
+
+
+def given_flags(argv) -> dict:
+    """The flags on the command line itself, by destination."""
+    cli = build_parser()
+    for action in cli._actions:
+        action.default = argparse.SUPPRESS
+    return vars(cli.parse_args(argv))
+
+
+def defaults_from_file(parser, path, given) -> dict:
+    """A --config file's values as parser defaults, each read as its flag reads it (through the flag's type
+    and choices), so a file is checked as the command line is. Another --run_name (or --test's) is another
+    run: the file's own --checkpoint_dir and --log_dir are then left out, unless given as flags."""
+    try:
+        data = load_yaml_mapping(path)
+    except ValueError as exc:
+        parser.error(str(exc))
+    actions = {a.dest: a for a in parser._actions if a.dest not in NOT_RECORDED}
+    values = {}
+    for key, value in data.items():
+        if key not in actions:
+            parser.error(f"--config {path}: unknown key {key!r}; expected flag names: {', '.join(sorted(actions))}")
+        values[key] = flag_value(parser, actions[key], f"--config {path}: key {key!r}", value)
+    file_run = values.get("run_name", parser.get_default("run_name"))
+    run = given.get("run_name", TEST_DEFAULTS["run_name"] if given.get("test") else file_run)
+    for key in ("checkpoint_dir", "log_dir") if run != file_run else ():
+        if values.get(key) is not None and key not in given:
+            renamed = "--run_name" if "run_name" in given else "--test"
+            print(f"note: {renamed} replaces {key}={values[key]} of --config {path}", file=sys.stderr)
+            values[key] = None
+    return values
+
+
+def flag_value(parser, action, where, value):
+    if isinstance(value, (dict, list)):
+        parser.error(f"{where} must be a single value, got a {type(value).__name__}")
+    if action.nargs == 0:  # a switch (store_true)
+        if not isinstance(value, bool):
+            parser.error(f"{where} must be true or false, got {value!r}")
+        return value
+    if value is None:
+        if action.default is not None:
+            parser.error(f"{where} must not be null (default {action.default!r})")
+        return None
+    try:
+        if isinstance(value, bool):
+            raise ValueError("a true/false")
+        read = action.type(str(value)) if action.type else str(value)
+    except (ValueError, argparse.ArgumentTypeError):
+        parser.error(f"{where} expects {getattr(action.type, '__name__', 'str')}, got {value!r}")
+    if action.choices and read not in action.choices:
+        parser.error(f"{where} must be one of {list(action.choices)}, got {value!r}")
+    return read
 
 
 def train_config(args):
@@ -451,6 +527,7 @@ def _set_up(args, launch, cfg, log):
                                                "rollout_horizon": args.rollout_horizon,
                                                "data_geometry": list(train_set.geometry)}, weights_key="predictor",
                              count_unit="samples", describe=describe, data_fingerprint=train_set.fingerprint(),
+                             run_config=args.run_config,
                              resume_must_match={"predictor": predictor.config,
                                                 "rollout_horizon": args.rollout_horizon,
                                                 "validation data (fingerprint)": val_set.fingerprint()})

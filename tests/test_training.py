@@ -623,9 +623,13 @@ def test_names_and_values_that_would_replace_or_lose_what_the_kit_saves_are_refu
 def test_resolved_config_and_example_configs_load(tmp_path, no_launch_env):
     import dataclasses
     from ddp_training import config_from_yaml
-    cfg = {**QUICK, **dirs(tmp_path), "max_steps": 2, "val_interval": 0}
+    cfg = {**QUICK, **dirs(tmp_path), "max_steps": 2, "val_interval": 0, "save_every_iters": 1, "resume": "none"}
     DDPTrainer(config=cfg).train()
-    assert config_from_yaml(str(tmp_path / "logs" / "config.yaml")) == dataclasses.asdict(TrainConfig(**cfg))
+    saved = config_from_yaml(str(tmp_path / "logs" / "config.yaml"))
+    # how the launch began is no property of the run: loaded again with more steps, the file continues it
+    assert saved == dataclasses.asdict(TrainConfig(**{**cfg, "resume": "auto"}))
+    summary = DDPTrainer(config={**saved, "max_steps": 3}).train()
+    assert summary["resumed_from"].endswith("state_step_2.pt") and summary["steps"] == 3
 
 
 def test_example_configs_train_beside_the_default_run(tmp_path, no_launch_env, monkeypatch):
@@ -693,6 +697,15 @@ def test_cli_precedence_defaults_yaml_flags(tmp_path):
     assert TrainConfig.from_dict(cfg).bucket_cap_mb is None  # DDP's own bucketing unless asked
     cfg = config_from_args(build_arg_parser().parse_args(["--bucket_cap_mb", "4"]))
     assert cfg["bucket_cap_mb"] == 4.0
+    # --cpu means gloo over a file's nccl; "auto" is the README's word for the keys that decide themselves
+    cfg_file.write_text("dist_backend: nccl\nstatic_graph: true\n")
+    cfg = config_from_args(build_arg_parser().parse_args(["--config", str(cfg_file), "--cpu"]))
+    assert cfg["dist_backend"] is None and cfg["static_graph"] is True
+    cfg = config_from_args(build_arg_parser().parse_args(["--config", str(cfg_file), "--static_graph", "auto",
+                                                          "--dist_backend", "auto"]))
+    assert cfg["static_graph"] is None and cfg["dist_backend"] is None
+    assert config_from_args(build_arg_parser().parse_args(["--static_graph"]))["static_graph"] is True
+    assert TrainConfig.from_dict({"static_graph": "auto"}).static_graph is None
 
 
 # Run as real scripts: one refused by argparse, one by the config check, one by a rank's set-up under --nproc.
@@ -730,6 +743,15 @@ SCRIPT_RUN_CASES = (["--no_such_flag", "1"], ["--max_steps", "-3"], ["--cpu", "-
     (["--cpu", "--test", "--tensorboard"], "--tensorboard needs the tensorboard package"),
     (["--config", "dup.yaml"], "error: --config dup.yaml: the key(s) dropout appear more than once"),
     (["--dropout", "1.5"], "config key 'dropout' must be in [0, 1), got 1.5"),
+    # from a review of the CLI: each failed later, mid-run or with no flag named, or trained on the default
+    (["--bucket_cap_mb", "abc"], "argument --bucket_cap_mb: invalid float (or none) value: 'abc'"),
+    (["--loader_timeout", "1e10"], "config key 'loader_timeout' must be at most 1e+07, got 10000000000.0"),
+    (["--dist_timeout", "0.001"], "dist_timeout must be at least 1 s"),
+    (["--seed", "4294967296"], "config key 'seed' must be in [0, 2**32), got 4294967296"),
+    (["--seed", "-1"], "config key 'seed' must be in [0, 2**32), got -1"),
+    (["--data", ""], "config key 'data' must be a path (or none for the default), got an empty string"),
+    (["--config", "latin1.yaml"], "--config latin1.yaml: 'utf-8' codec can't decode"),
+    (["--save_every", "3"], "unrecognized arguments: --save_every"),  # no abbreviations
     (["--cpu", "--log_dir", "empty.txt"],
      "error: ValueError: log_dir empty.txt: cannot write rank_0.log there (FileExistsError"),
     # found at set-up, not at the first save an epoch later
@@ -744,6 +766,7 @@ def test_cli_bad_input_exits_2_with_a_clear_message(tmp_path, argv, message):
     (tmp_path / "bad.yaml").write_text("bogus_key: 1\n")
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "dup.yaml").write_text("dropout: 0.1\nbatch_size: 8\ndropout: 0.2\n")
+    (tmp_path / "latin1.yaml").write_bytes("run_name: caf\u00e9\n".encode("latin-1"))
     (tmp_path / "runs" / "linked").mkdir(parents=True)
     (tmp_path / "runs" / "linked" / "checkpoints").symlink_to(tmp_path / "empty.txt" / "ck")
     argv = [a.replace("{yaml}", str(tmp_path / "bad.yaml")) for a in argv]

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+import yaml
 import torch.nn.functional as F
 
 from conftest import REPO, background, clean_env, make_vj2_data, metrics, run, torchrun, wait_for_step
@@ -165,6 +166,38 @@ def test_cli_presets_test_mode_and_trainer_config(no_launch_env):
     assert vj2.train_config(vj2.parse_args(data + ["--loader_timeout", "7"]))["loader_timeout"] == 7.0
 
 
+def test_a_config_file_is_read_like_the_flags_and_a_run_records_one(tmp_path, capsys):
+    """Defaults < --config < --test < flags; a run's config.yaml (args.run_config) loads back to the same run
+    (from a review: the VJ2 script had no --config, and its config.yaml held the LM's defaults)."""
+    import yaml
+    path = tmp_path / "c.yaml"
+    path.write_text("processed_data_dir: t\nvalidation_data_dir: v\nbatch_size: 8\nlr: 3e-4\nskip_bad_files: true\n"
+                    "checkpoint_dir: ck/a\nrun_name: a\n")
+    args = vj2.parse_args(["--config", str(path), "--batch_size", "6"])
+    assert (args.batch_size, args.lr, args.skip_bad_files, args.checkpoint_dir) == (6, 3e-4, True, "ck/a")
+    assert vj2.parse_args(["--config", str(path), "--test"]).max_steps == vj2.TEST_DEFAULTS["max_steps"]
+    # what the run records loads back to the same flags; the launch's own (--resume none) are not kept
+    args = vj2.parse_args(["--config", str(path), "--resume", "none", "--seed", "3"])
+    assert args.run_config["resume"] == "auto" and args.run_config["device"] is None
+    path.write_text(yaml.safe_dump(args.run_config))
+    again = vj2.parse_args(["--config", str(path)])
+    assert again.run_config == args.run_config and again.seed == 3 and again.depth == args.depth
+    # another run name is another run: the file's checkpoint dir is not reused
+    assert vj2.parse_args(["--config", str(path), "--run_name", "b"]).checkpoint_dir is None
+    assert "note: --run_name replaces checkpoint_dir=ck/a" in capsys.readouterr().err
+    assert vj2.parse_args(["--config", str(path), "--run_name", "a"]).checkpoint_dir == "ck/a"
+    for text, message in [("bogus: 1\n", "unknown key 'bogus'"), ("batch_size: 2.5\n", "key 'batch_size' expects int"),
+                          ("skip_bad_files: 1\n", "key 'skip_bad_files' must be true or false, got 1"),
+                          ("batch_size: null\n", "key 'batch_size' must not be null"),
+                          ("preset: huge\n", "key 'preset' must be one of"), ("depth: [1]\n", "a single value"),
+                          ("evaluate: x.pt\n", "unknown key 'evaluate'"), ("- 1\n", "expected a flat mapping")]:
+        path.write_text(text)
+        with pytest.raises(SystemExit) as exc:
+            vj2.parse_args(["--config", str(path), "--processed_data_dir", "t", "--validation_data_dir", "v"])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and f"error: --config {path}: " in err and message in err, (text, err)
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--validation_data_dir", "v"], "--processed_data_dir and --validation_data_dir are required"),
     (["--evaluate", "x.pt"], "--evaluate needs --validation_data_dir"),
@@ -181,7 +214,20 @@ def test_cli_presets_test_mode_and_trainer_config(no_launch_env):
      "--save_every_iters must be >= 0"),
     # c10d counts the timeout in int64 nanoseconds: 1e10 s already fails inside the process group
     (["--processed_data_dir", "t", "--validation_data_dir", "v", "--dist_timeout", "1e10"],
-     "--dist_timeout must be <= 1e+07 seconds"),
+     "--dist_timeout must be from 1 to 1e+07 seconds"),
+    (["--processed_data_dir", "t", "--validation_data_dir", "v", "--dist_timeout", "0.001"],
+     "--dist_timeout must be from 1 to 1e+07 seconds"),
+    # from a review of the CLI: these failed mid-run (an overflow at the first validation), in set-up with no flag
+    # named, or trained with the default
+    (["--processed_data_dir", "t", "--validation_data_dir", "v", "--loader_timeout", "1e300"],
+     "--loader_timeout must be <= 1e+07 seconds"),
+    (["--processed_data_dir", "t", "--validation_data_dir", "v", "--seed", "-1"], "--seed must be in [0, 2**32)"),
+    (["--processed_data_dir", "t", "--validation_data_dir", "v", "--checkpoint_dir", ""],
+     "--checkpoint_dir must be a path, got an empty string"),
+    (["--processed_data_dir", "", "--validation_data_dir", "v"],
+     "--processed_data_dir must be a path, got an empty string"),
+    (["--processed_data_dir", "t", "--validation_data_dir", "v", "--save_every", "3"],
+     "unrecognized arguments: --save_every"),
     (["--processed_data_dir", "t", "--validation_data_dir", "v", "--run_name", "../up"],
      "--run_name must be names of letters, digits"),
 ])
@@ -248,6 +294,10 @@ def test_two_rank_training_learns_the_dynamics(trained):
     assert re.search(r"model: AC predictor, preset small \(depth 2, width 64, 4 heads\).*, [\d,]+ parameters", out)
     rank1 = (trained["root"] / "logs" / "rank_1.log").read_text()
     assert "[DDP] Rank 1/2, local_rank=1, device=cpu" in rank1 and "[RANK 1]" in rank1
+    # the run dir's config.yaml holds this script's flags (not the trainer's LM defaults)
+    saved = yaml.safe_load((trained["root"] / "logs" / "config.yaml").read_text())
+    assert (saved["processed_data_dir"], saved["batch_size"], saved["val_every_iters"], saved["preset"]) == (
+        str(trained["root"] / "train"), 16, 25, "small") and "vocab_size" not in saved
 
 
 @pytest.mark.multi
