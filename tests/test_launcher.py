@@ -415,13 +415,15 @@ def test_two_nodes_with_max_restarts_recover_from_a_killed_worker(tmp_path):
 
 # -- SLURM ---------------------------------------------------------------------------------------------------
 
-def sbatch(tmp_path, fake_bin, marker: bool, extra=(), **env):
+def sbatch(tmp_path, fake_bin, marker: bool, extra=(), kit=REPO, **env):
     """The sbatch script with fake srun (prints its arguments, optionally leaves a PREEMPTED marker in the
     --log_dir it was given) and scontrol (prints what it was asked)."""
     preempt = 'while [[ $1 != --log_dir ]]; do shift; done; mkdir -p "$2"; echo "{}" > "$2/PREEMPTED"; exit 75\n'
     executable(fake_bin / "srun", '#!/bin/bash\nprintf "[%s]" "$@"; echo\n' + (preempt if marker else ""))
     executable(fake_bin / "scontrol", '#!/bin/sh\n[ "$1" = show ] && echo node1 || echo "scontrol $*"\n')
     slurm = dict(SLURM_JOB_NAME="ddp-train", SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node1", SLURM_CPUS_PER_TASK="8")
+    if kit is not None:
+        slurm["KIT_DIR"] = str(kit)
     return run(["bash", SBATCH, "--max_steps", "10", *extra], cwd=tmp_path, timeout=30,
                env=clean_env(PATH=f"{fake_bin}:/usr/bin:/bin", **slurm, **env))
 
@@ -436,6 +438,11 @@ def test_slurm_run_name_is_unique_per_job_and_requeues_on_preemption(tmp_path, f
     assert "[--log_dir][runs/ddp-train-4242][--checkpoint_dir][checkpoints/ddp-train-4242]" in r.stdout, r.stdout
     assert "[--max_steps][10]" in r.stdout and "requeue" not in r.stdout
     assert "[--cpus-per-task=8]" in r.stdout  # srun no longer takes it from sbatch (Slurm 22.05 on)
+    assert f"[python][{REPO / 'ddp_training.py'}]" in r.stdout, r.stdout
+    # submitted from a directory without the kit, and no KIT_DIR: refused before srun
+    r = sbatch(tmp_path, fake_bin, marker=False, kit=None)
+    assert r.returncode == 2 and "no ddp_training.py in '.': submit from the kit's directory or set KIT_DIR" \
+        in r.stdout and "[--max_steps]" not in r.stdout, r.stdout
     r = sbatch(tmp_path, fake_bin, marker=False, RUN_NAME="shared")
     assert "[--log_dir][runs/shared][--checkpoint_dir][checkpoints/shared]" in r.stdout, r.stdout
     r = sbatch(tmp_path, fake_bin, marker=True)
