@@ -1748,9 +1748,8 @@ class CheckpointWriter:
             try:
                 self.flush()
             except (CheckpointError, Rank0Failed) as exc:
-                if isinstance(exc, CheckpointWriteHung) or (isinstance(exc, Rank0Failed)
-                                                            and exc.kind != CheckpointError.__name__):
-                    raise  # a write that hangs: one queued behind it would hang too
+                if not self.worth_writing_again(exc):
+                    raise
                 # an earlier save point's write failed: this one's files replace it, and the caller waits for
                 # them (DDPTrainer: before the next step), so that a passing failure loses no work
                 self.log.error("%s; the files of this save point replace it", exc)
@@ -1759,6 +1758,13 @@ class CheckpointWriter:
         if self.is_writer:
             self._queue(payload, path, then)
         return path
+
+    @staticmethod
+    def worth_writing_again(exc: Exception) -> bool:
+        """A failed write (a disk full for a moment), not one that hangs: one queued behind that would hang too."""
+        if isinstance(exc, Rank0Failed):
+            return exc.kind == CheckpointError.__name__
+        return isinstance(exc, CheckpointError) and not isinstance(exc, CheckpointWriteHung)
 
     def _queue(self, payload: Any, path: Path, then) -> None:
         with self._lock:

@@ -2290,9 +2290,24 @@ class DDPTrainer:
         self.save_checkpoint("interrupted")
         if self.state_step != self.global_step:
             self.save_state()
-        self.writer.flush()  # the marker promises files that are on disk
+        self._flush_writing_again_once("interrupted")  # the marker promises files that are on disk
         rt.run_on_rank0(self._write_preempted_marker, what="writing PREEMPTED marker")
         return "interrupted"
+
+    def _flush_writing_again_once(self, tag: str) -> None:
+        """Waits for this last step's files. One that failed (a disk full for a moment: this step's state, whose
+        save point saved it already, or the `tag` weights) is written once more, as during training (see
+        _save_again_after_a_failed_write), so that a passing failure at a stop or at the end costs no work; if
+        that fails too, or a write hangs, the run stops."""
+        try:
+            self.writer.flush()
+        except (rt.CheckpointError, rt.Rank0Failed) as exc:
+            if not rt.CheckpointWriter.worth_writing_again(exc):
+                raise
+            self.log.error("%s; writing step %d's files again", exc, self.global_step)
+            self.save_checkpoint(tag)
+            self.save_state()
+            self.writer.flush()
 
     def _after_step(self, r: dict, step_time: float, global_batch: int) -> None:
         cfg = self.cfg
@@ -2328,10 +2343,11 @@ class DDPTrainer:
 
     def _write_resolved_config(self) -> None:
         import yaml
-        if self.run_config is not None:
-            (Path(self.cfg.log_dir) / "config.yaml").write_text(yaml.safe_dump(self.run_config, sort_keys=False))
-            return
-        # Loadable again with --config, so a run can be repeated exactly.
+        rt.atomic_write_text(Path(self.cfg.log_dir) / "config.yaml",
+                             yaml.safe_dump(self.run_config or self._resolved_config(), sort_keys=False))
+
+    def _resolved_config(self) -> dict:
+        """The config, loadable again with --config, so a run can be repeated exactly."""
         resolved = dataclasses.asdict(self.cfg)
         # Dirs derived from run_name stay derived, so the file with another --run_name makes another run
         if resolved["checkpoint_dir"] == str(Path(self.cfg.log_dir) / "checkpoints"):
@@ -2341,22 +2357,27 @@ class DDPTrainer:
         # how this launch began (fresh, from another state) is no property of the run: loaded again, the
         # file continues this run
         resolved["resume"] = TrainConfig.resume
-        (Path(self.cfg.log_dir) / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+        return resolved
 
     def _set_aside_old_states(self) -> None:
         """States past this run's starting step (another run's, when starting fresh; unloadable ones
         after a fallback) move into a subdir: pruning by step would otherwise delete this run's new states
-        in favour of them, and a later --resume auto would continue from them."""
+        in favour of them, and a later --resume auto would continue from them. A fresh run moves an earlier
+        run's weights files there too, which it would otherwise overwrite or leave mixed with its own."""
         old = [p for step, p in self._states_by_step() if step > self.global_step]
-        if not old:
+        weights = [] if self.resumed_from is not None else [
+            p for p in self.ckpt_dir.glob(f"{self.cfg.checkpoint_prefix}_*.pt")
+            if re.fullmatch(rf"{re.escape(self.cfg.checkpoint_prefix)}_(best|final|interrupted|(step|epoch)_\d+)\.pt",
+                            p.name)]
+        if not old and not weights:
             return
         aside = Path(tempfile.mkdtemp(prefix=f"previous_states.{int(time.time())}.", dir=self.ckpt_dir))
-        for p in old:
+        for p in old + weights:
             for f in (p, Path(str(p) + ".sha256")):
                 if f.exists():
                     os.replace(f, aside / f.name)
-        self.log.warning("moved %d resumable state(s) past step %d (not this run's) to %s", len(old),
-                         self.global_step, aside)
+        self.log.warning("moved %d resumable state(s) past step %d and %d weights file(s) (not this run's) to %s",
+                         len(old), self.global_step, len(weights), aside)
 
     def _start_metrics_file(self) -> None:
         """A fresh run moves old curves aside (metrics.<time>.jsonl); a resumed run continues the same
@@ -2407,6 +2428,7 @@ class DDPTrainer:
             self.save_checkpoint("final")
             if self.state_step != self.global_step:  # a longer max_steps (or patience) then trains on from here
                 self.save_state()
+            self._flush_writing_again_once("final")
         self.writer.flush()
         test = self.evaluate(self.test_loader) if self.test_loader is not None and status != "interrupted" else None
         wall = time.monotonic() - self.t0

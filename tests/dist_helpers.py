@@ -25,9 +25,11 @@ def free_ports(n: int) -> list:
 # Ranks are forked from a server that imported torch and the kit once, instead of spawned: a spawned
 # process imports torch again (about 2 s each on a 2-core machine, most of a short test). The server
 # starts fresh and runs no threads, so a fork of it is as clean as a spawn; each rank is given the test's
-# environment (a forked rank would otherwise have the server's, from when it started).
+# environment (a forked rank would otherwise have the server's, from when it started). torch._dynamo too:
+# DDP() imports it (about 800 modules, 3 s per rank here), and its import starts no thread.
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "numpy", "pytest", "ddp_runtime", "ddp_training"])
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "numpy", "pytest", "ddp_runtime",
+                             "ddp_training"])
 
 
 def _start_server() -> None:

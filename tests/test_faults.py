@@ -378,6 +378,36 @@ def test_a_failed_background_write_is_saved_again_at_once(tmp_path, delay):
     assert saved_state_steps(tmp_path / "full") == []
 
 
+def test_a_failed_write_at_a_stop_or_at_the_end_is_written_again(tmp_path, monkeypatch, no_launch_env):
+    """The state of the last step fails to write once. Its save point had saved it, so the stop (or the end)
+    saved no other and the failure stopped the run: exit 1, no PREEMPTED marker for a scheduler to requeue on
+    (from a review). It is written again, as during training."""
+    save, failed = rt.atomic_save, []
+
+    def full_disk_once(obj, path):
+        if "state_step_6" in str(path) and not failed:
+            failed.append(path)
+            raise OSError(28, "No space left on device")
+        return save(obj, path)
+    monkeypatch.setattr(rt, "atomic_save", full_disk_once)
+
+    def stop_at_6(model, batch, calls=[]):
+        calls.append(model.training)
+        if sum(calls) == 6:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return lm_loss(model, batch)
+    for name, loss, steps, status, marker in (("end", lm_loss, 6, "completed", "COMPLETED"),
+                                              ("stop", stop_at_6, 12, "interrupted", "PREEMPTED")):
+        failed.clear()
+        root = tmp_path / name
+        s = DDPTrainer(config=cfg_for(root, save_every_iters=3, max_steps=steps), loss_fn=loss).train()
+        assert failed and s["status"] == status and s["steps"] == 6, (name, s)
+        assert saved_state_steps(root) == [3, 6] and (root / "logs" / marker).exists(), name
+        assert "No space left on device; writing step 6's files again" in (root / "logs" / "rank_0.log").read_text()
+    resumed = DDPTrainer(config=cfg_for(tmp_path / "stop", save_every_iters=3, resume="auto")).train()
+    assert resumed["resumed_from"].endswith("model_state_step_6.pt") and resumed["steps"] == 12
+
+
 def test_a_rank_that_dies_does_not_hang_the_other(tmp_path):
     t0 = time.time()
     with pytest.raises(RuntimeError, match=r"ranks \[1\] did not report \(exit codes \{1: 3\}"):

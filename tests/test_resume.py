@@ -159,6 +159,7 @@ def test_a_state_of_a_data_file_edited_in_the_middle_is_refused(tmp_path, no_lau
 
 def test_resume_none_starts_fresh_and_sets_the_old_states_aside(tmp_path, no_launch_env):
     DDPTrainer(config=cfg_for(tmp_path)).train()  # leaves states 15 and 20
+    earlier = final_weights(tmp_path)
     s = DDPTrainer(config=cfg_for(tmp_path, resume="none", max_steps=14)).train()
     assert s["resumed_from"] is None and s["steps"] == 14
     assert train_steps(tmp_path) == list(range(1, 15))  # a new curve from step 1, not a continuation
@@ -169,7 +170,13 @@ def test_resume_none_starts_fresh_and_sets_the_old_states_aside(tmp_path, no_lau
     assert sorted(p.name for p in ckpt.glob("model_state_step_*.pt")) == ["model_state_step_10.pt",
                                                                           "model_state_step_14.pt"]
     (aside,) = ckpt.glob("previous_states.*")
-    assert sorted(p.name for p in aside.glob("*.pt")) == ["model_state_step_15.pt", "model_state_step_20.pt"]
+    assert sorted(p.name for p in aside.glob("model_state_*.pt")) == ["model_state_step_15.pt",
+                                                                      "model_state_step_20.pt"]
+    # and so are its weights files, which the new run overwrote (final, step_10) or left beside its own (step_20)
+    assert {p.name for p in aside.glob("*.pt")} - {p.name for p in aside.glob("model_state_*.pt")} == {
+        "model_best.pt", "model_final.pt", *(f"model_step_{n}.pt" for n in (5, 10, 15, 20))}
+    assert_bit_identical(torch.load(aside / "model_final.pt", weights_only=True)["model"], earlier)
+    assert sorted(p.name for p in ckpt.glob("model_step_*.pt")) == ["model_step_10.pt", "model_step_5.pt"]
     longer = DDPTrainer(config=cfg_for(tmp_path, max_steps=16)).train()  # resume auto: this run, not the old one
     assert longer["resumed_from"].endswith("model_state_step_14.pt")
 
