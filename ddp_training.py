@@ -1783,8 +1783,11 @@ class DDPTrainer:
             text = (next(iter(distinct))[1] if len(distinct) == 1 else
                     "; ".join(f"rank {r}: {e[1]}" for r, (_, e) in enumerate(everyone) if e))
             raise (ValueError if {kind for kind, _ in distinct} == {"refused"} else rt.CheckpointError)(text)
-        if len({c for c, _ in everyone}) != 1:
-            raise RuntimeError(f"ranks chose different states to resume from: {[c for c, _ in everyone]}")
+        if len({c for c, _ in everyone}) != 1:  # node-local checkpoint dirs, or copies that differ
+            chosen_by = "; ".join(f"rank {r}: {c or 'none'}" for r, (c, _) in enumerate(everyone))
+            raise rt.CheckpointError(f"ranks chose different states to resume from ({chosen_by}): every rank reads "
+                                     f"{self.ckpt_dir} itself, so on several nodes it must be a shared file system "
+                                     f"(or hold the same files on each)")
         if chosen is None:
             self.log.info("no resumable state in %s: starting fresh", self.ckpt_dir)
             return None

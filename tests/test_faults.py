@@ -408,6 +408,24 @@ def test_a_failed_write_at_a_stop_or_at_the_end_is_written_again(tmp_path, monke
     assert resumed["resumed_from"].endswith("model_state_step_6.pt") and resumed["steps"] == 12
 
 
+def _train_resuming(rank, world_size, root, max_steps, local_dir_on_rank_1):
+    # rank 1 stands for a second node whose checkpoint dir is on its own disk, where nothing was saved
+    ckpt = Path(root) / ("node1_ckpt" if rank == 1 and local_dir_on_rank_1 else "ckpt")
+    cfg = {**cfg_for(root, save_every_iters=3, max_steps=max_steps, resume="auto"), "checkpoint_dir": str(ckpt)}
+    try:
+        return DDPTrainer(rank=rank, world_size=world_size, config=cfg).train()["status"]
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_states_that_only_some_ranks_see_are_an_error_naming_the_shared_file_system(tmp_path):
+    """A RuntimeError before (a traceback, exit 1, which torchrun --max-restarts retried in vain)."""
+    assert spawn(_train_resuming, 2, str(tmp_path), 6, False) == ["completed"] * 2
+    for r in spawn(_train_resuming, 2, str(tmp_path), 12, True):
+        assert r.startswith("CheckpointError: ranks chose different states to resume from (rank 0: ") and \
+            "model_state_step_6.pt; rank 1: none): every rank reads" in r and "shared file system" in r, r
+
+
 def test_a_rank_that_dies_does_not_hang_the_other(tmp_path):
     t0 = time.time()
     with pytest.raises(RuntimeError, match=r"ranks \[1\] did not report \(exit codes \{1: 3\}"):
