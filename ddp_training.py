@@ -1800,6 +1800,9 @@ class DDPTrainer:
         self.unvalidated_files = (self.global_step, rt.broadcast_object(tags if self.env.is_main else None))
         self.log.info("resumed from %s at step %d (epoch %d, %d steps into it)", chosen,
                       self.global_step, self.epoch, self.step_in_epoch)
+        if self.global_step > self.total_steps:
+            self.log.warning("the state is past this run's length (%d steps: max_steps or num_epochs): nothing "
+                             "to train; the run ends at step %d", self.total_steps, self.global_step)
         if isinstance(self.train_dataset, torch.utils.data.IterableDataset) and self.step_in_epoch:
             self.log.warning("the training set is a stream, which cannot be read from a position: the resumed run "
                              "reads it from its start, not from where step %d left it (exact resume is for "

@@ -181,6 +181,15 @@ def test_resume_none_starts_fresh_and_sets_the_old_states_aside(tmp_path, no_lau
     assert longer["resumed_from"].endswith("model_state_step_14.pt")
 
 
+def test_a_state_past_a_shorter_max_steps_says_there_is_nothing_to_train(tmp_path, no_launch_env):
+    DDPTrainer(config=cfg_for(tmp_path, max_steps=12, save_every_iters=6, dropout=0.0)).train()
+    (tmp_path / "logs" / "COMPLETED").unlink()  # as if stopped at step 12: the state there is resumed
+    s = DDPTrainer(config=cfg_for(tmp_path, max_steps=8, save_every_iters=6, dropout=0.0)).train()
+    assert s["steps"] == 12 and s["resumed_from"].endswith("model_state_step_12.pt")
+    assert "the state is past this run's length (8 steps: max_steps or num_epochs): nothing to train; the run " \
+           "ends at step 12" in (tmp_path / "logs" / "rank_0.log").read_text()
+
+
 def test_a_fresh_run_never_replaces_earlier_set_aside_curves(tmp_path, no_launch_env):
     cfg = cfg_for(tmp_path, max_steps=2, resume="none")
     DDPTrainer(config=cfg).train()
