@@ -1595,10 +1595,10 @@ def why_not_loadable(path: Path, exc: Exception) -> str:
     return f"cannot be loaded: {type(exc).__name__}: {text.splitlines()[0] if text.strip() else 'the file ends early'}"
 
 
-def remove_stale_temp_files(directory: str | os.PathLike, prefix: str) -> list:
-    """Delete the temp files (`.<prefix>_*.<host>.<pid>.tmp`) that a writer killed mid-write left behind; call
-    before this run writes anything there."""
-    stale = sorted(Path(directory).glob(f".{prefix}_*.tmp"))
+def remove_stale_temp_files(directory: str | os.PathLike, starts: tuple) -> list:
+    """Delete the temp files (`.<name>.<host>.<pid>.tmp`, for names that start with one of `starts`) that a
+    writer killed mid-write left behind; call before this run writes anything there."""
+    stale = sorted({p for start in starts for p in Path(directory).glob(f".{start}*.tmp")})
     for p in stale:
         p.unlink(missing_ok=True)
     return stale

@@ -2092,7 +2092,9 @@ class DDPTrainer:
         self._set_aside_old_states()
         self._write_resolved_config()
         self._link_checkpoints()
-        for p in rt.remove_stale_temp_files(self.ckpt_dir, self.cfg.checkpoint_prefix):
+        log_files = tuple(f"{name}." for name in ("metrics.jsonl", "config.yaml", COMPLETED_MARKER, rt.PREEMPTED_MARKER))
+        for p in (rt.remove_stale_temp_files(self.ckpt_dir, (f"{self.cfg.checkpoint_prefix}_",)) +
+                  rt.remove_stale_temp_files(self.cfg.log_dir, log_files)):
             self.log.warning("removed %s, left by a write that was cut short", p)
         self._tb = self._tb_writer(log_dir=str(Path(self.cfg.log_dir) / "tensorboard")) if self._tb_writer else None
         self._metrics_file = open(self.metrics_path, "a")

@@ -499,6 +499,9 @@ def test_temp_files_of_a_killed_write_are_removed_and_ignored(tmp_path, no_launc
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     stale = [ckpt / ".model_state_step_15.pt.4242.tmp", ckpt / ".model_state_step_15.pt.sha256.4242.tmp"]
+    (tmp_path / "logs").mkdir()  # and in the log dir, the metrics, config and markers' (from a review)
+    stale += [tmp_path / "logs" / f".{name}.host.4242.tmp" for name in ("metrics.jsonl", "config.yaml", "COMPLETED",
+                                                                         "PREEMPTED")]
     for p in stale:
         p.write_bytes(b"cut short")
     other = ckpt / ".notes.tmp"  # not ours: left alone
