@@ -1327,9 +1327,10 @@ class DDPTrainer:
         g, names, raw_norm_value = self._agree(tally, raw_norm, data_errors, fatal, oom, stop_signal)
         count = g["count"]
         # the rate this step uses (read before the scheduler moves it on), whether it is taken or skipped
-        result = {"count": count, "loss": g["loss"] / max(count, 1.0), "stop": g["stop"] > 0,
+        per = count or 1.0  # a count may be a sum of weights below 1; none (0) is a skipped step, below
+        result = {"count": count, "loss": g["loss"] / per, "stop": g["stop"] > 0,
                   "lr": self.optimizer.param_groups[0]["lr"], "write_failed": g["write_failed"] > 0,
-                  "extras": {n: v / max(count, 1.0) for n, v in zip(names, g["extras"])}}
+                  "extras": {n: v / per for n, v in zip(names, g["extras"])}}
         scaler_overflow = self.scaler is not None and g["bad_grads"] > 0  # with a GradScaler, its normal business
         nonfinite = (g["nonfinite"] > 0 or (g["bad_grads"] > 0 and self.scaler is None)) and not g["oom"]
         if g["oom"] or nonfinite or count == 0 or scaler_overflow:

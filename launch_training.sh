@@ -23,7 +23,8 @@ Usage: ./launch_training.sh [OPTIONS] [-- SCRIPT_ARGS...]
                             a relative path not found in the current directory is taken from the
                             launcher's own directory, so the launcher works from any directory
       --nnodes N            number of nodes (default 1: torchrun --standalone)
-      --node-rank R         this node's rank (multi-node)
+      --node-rank R         this node's rank (multi-node: required, 0 on the --master-addr host,
+                            unless --max-restarts lets c10d number the nodes)
       --master-addr HOST    rendezvous host (multi-node)
       --master-port PORT    rendezvous port (multi-node, default 29500)
       --max-restarts N      let torchrun restart the group N times after a failure (resumes); with
@@ -37,10 +38,12 @@ A CUDA_VISIBLE_DEVICES already set is read as CUDA reads it: up to its first ent
 (-1 hides them all), at most the GPUs counted. On the CPU, OMP_NUM_THREADS defaults to the cores
 divided among the processes (torchrun alone would set 1).
 
-Signals: SIGTERM, SIGINT and SIGUSR1 are forwarded once to torchrun, which passes them to the workers; the
-trainers save and exit. SIGHUP (a closed terminal) and SIGQUIT are forwarded as SIGTERM: the trainers do not
-catch them, and would die without a save. Workers get TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default here
-300, torchrun's own default is 30) to finish before torchrun kills them.
+Signals: SIGTERM and SIGUSR1 are forwarded once to torchrun, which passes them to the workers; the
+trainers save and exit. SIGINT (Ctrl-C) is forwarded as SIGTERM (torchrun ignores SIGINT for a moment at
+its start). SIGHUP (a closed terminal) and SIGQUIT are forwarded as SIGTERM too: the trainers do not catch
+them, and would die without a save. A stop before torchrun starts (while the GPUs are counted) exits 75:
+nothing ran. Workers get TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default here 300, torchrun's own default
+is 30) to finish before torchrun kills them.
 
 Exit status: 0 the run finished; 75 the run was stopped by a signal and left a PREEMPTED marker in its log
 dir (relaunch the same command to resume); 2 bad arguments, to this script or to the training script (a flag,
@@ -63,7 +66,7 @@ say() { printf 'launch_training.sh: %s\n' "$*" >&2 2>/dev/null || true; }
 die() { say "error: $*"; exit 2; }
 
 gpus="" batch="" epochs="" log_dir="" ckpt_dir="" cpu=0 nproc="" test_mode=0 debug=0
-script="ddp_training.py" nnodes=1 node_rank=0 master_addr="" master_port=29500 max_restarts=0
+script="ddp_training.py" nnodes=1 node_rank="" master_addr="" master_port=29500 max_restarts=0
 script_args=()
 
 need() {
@@ -110,6 +113,28 @@ done
 grace=$(to_uint "${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}") || die "TORCH_ELASTIC_SHUTDOWN_TIMEOUT expects" \
     "seconds as a non-negative integer, got '$TORCH_ELASTIC_SHUTDOWN_TIMEOUT'"
 
+# Forward the first signal only. torchrun restarts its shutdown wait on a second stop signal and, on a
+# third, gives up on its workers mid-save and exits (torch 2.13, elastic agent run()); repeated Ctrl-C or a
+# scheduler's warning and final signals must not get there.
+forwarded="" child=""
+forward() {
+    if [[ -n "$forwarded" ]]; then
+        say "SIG$1 received; already stopping on SIG$forwarded, the workers have up to ${grace}s to save"
+        return 0  # a bare return in a trap gives the interrupted wait's status (> 128), and set -e exits
+    fi
+    forwarded=$1
+    [[ -n "$child" ]] || return 0  # not started yet: sent right after the start below
+    kill -s "$(stop_signal "$1")" "$child" 2>/dev/null || true
+}
+
+# The trainers save on SIGTERM, SIGINT and SIGUSR1; a closed terminal's SIGHUP or a SIGQUIT would kill them.
+# SIGINT goes on as SIGTERM too: torchrun's wrapper below starts with it ignored (bash starts background
+# jobs so) until it restores the default, and a Ctrl-C in those first milliseconds was lost.
+stop_signal() { case $1 in HUP|QUIT|INT) echo TERM ;; *) echo "$1" ;; esac; }
+# From here on: a stop while the GPUs are counted (torch imports for seconds without nvidia-smi) is kept
+# and answered below, before torchrun starts
+for sig in TERM INT HUP QUIT USR1; do trap "forward $sig" "$sig"; done
+
 # The kit's scripts live next to the launcher: `--script ddp_training.py` (the default) must work from
 # any directory, while a script in the current directory still wins.
 self=$(readlink -f "${BASH_SOURCE[0]}" 2>/dev/null) || self=${BASH_SOURCE[0]}  # through a symlink in ~/bin
@@ -123,6 +148,12 @@ fi
 if (( nnodes > 1 )) && [[ -z "$master_addr" ]]; then
     die "--nnodes $nnodes needs --master-addr (the host of node rank 0)"
 fi
+# Static rendezvous numbers the nodes by this flag: two nodes that both default to 0 would wait for the
+# missing one until the rendezvous times out (with --max-restarts, c10d numbers them itself)
+if (( nnodes > 1 && max_restarts == 0 )) && [[ -z "$node_rank" ]]; then
+    die "--nnodes $nnodes needs --node-rank (0 on the --master-addr host, 1 to $((nnodes - 1)) on the others)"
+fi
+node_rank=${node_rank:-0}
 
 python=${PYTHON:-python3}
 
@@ -146,12 +177,23 @@ if (( cpu == 0 )); then
     detected=$(detected_gpus)
     visible=()
     if [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then
-        # CUDA stops at the first entry that names no GPU: "-1" (the usual "hide them all") leaves none
+        # CUDA stops at the first entry that names no GPU: "-1" (the usual "hide them all") leaves none;
+        # also where indices and UUIDs switch; a GPU listed twice leaves none (as torch reads it)
         IFS=',' read -r -a listed <<< "$CUDA_VISIBLE_DEVICES"
+        kind=""
         for entry in "${listed[@]+"${listed[@]}"}"; do
             entry=${entry// /}
-            [[ "$entry" =~ ^[0-9]+$ || "$entry" == GPU-* || "$entry" == MIG-* ]] || break
+            case "$entry" in
+                GPU-*|MIG-*) this=uuid ;;
+                *) [[ "$entry" =~ ^[0-9]+$ ]] || break; this=index ;;
+            esac
+            [[ -z "$kind" || "$kind" == "$this" ]] || break
+            kind=$this
             (( ${#visible[@]} < detected )) || break
+            if [[ " ${visible[*]-} " == *" $entry "* ]]; then
+                visible=()
+                break
+            fi
             visible+=("$entry")
         done
     else
@@ -246,8 +288,8 @@ fi
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=$grace
 
 cmd=("${launcher[@]}" "$script" "${args[@]}")
-printf 'launch_training.sh: running: TORCH_ELASTIC_SHUTDOWN_TIMEOUT=%s' "$grace"
-printf ' %q' "${cmd[@]}"; printf '\n'
+printf -v shown ' %q' "${cmd[@]}"
+say "running: TORCH_ELASTIC_SHUTDOWN_TIMEOUT=$grace$shown"
 
 # -- preemption ------------------------------------------------------------------------------------------
 # torchrun turns a stop signal into exit 1 and a traceback, even when every worker saved and exited 75, and
@@ -293,22 +335,6 @@ new_file() {  # new_file NAME [TEXT]: the first NAME newer than this launch in t
 }
 new_marker() { new_file "$1" "\"launch_id\": \"$DDP_KIT_LAUNCH_ID\""; }  # PREEMPTED|COMPLETED of this launch
 
-# Forward the first signal only. torchrun restarts its shutdown wait on a second stop signal and, on a
-# third, gives up on its workers mid-save and exits (torch 2.13, elastic agent run()); repeated Ctrl-C or a
-# scheduler's warning and final signals must not get there.
-forwarded="" child=""
-forward() {
-    if [[ -n "$forwarded" ]]; then
-        say "SIG$1 received; already stopping on SIG$forwarded, the workers have up to ${grace}s to save"
-        return 0  # a bare return in a trap gives the interrupted wait's status (> 128), and set -e exits
-    fi
-    forwarded=$1
-    [[ -n "$child" ]] || return 0  # not started yet: sent right after the start below
-    kill -s "$(stop_signal "$1")" "$child" 2>/dev/null || true
-}
-
-# The trainers save on SIGTERM, SIGINT and SIGUSR1; a closed terminal's SIGHUP or a SIGQUIT would kill them.
-stop_signal() { case $1 in HUP|QUIT) echo TERM ;; *) echo "$1" ;; esac; }
 
 stamp=$(mktemp "${TMPDIR:-/tmp}/launch_training.XXXXXX") || die "cannot create a file in ${TMPDIR:-/tmp} (set TMPDIR)"
 # torchrun copies the first failed worker's reason here, with its exit code (see rt.refuse)
@@ -321,12 +347,15 @@ else
     DDP_KIT_LAUNCH_ID="${SLURM_JOB_ID:-ddp-kit}-$master_addr-$master_port"
 fi
 export DDP_KIT_LAUNCH_ID
-for sig in TERM INT HUP QUIT USR1; do trap "forward $sig" "$sig"; done
 
 # A session of its own, so a Ctrl-C on the terminal (or a signal to this script's process group) reaches
 # only this script, which forwards it once, and not torchrun as well. Bash starts background jobs with
 # SIGINT and SIGQUIT ignored and stdin on /dev/null: torchrun gets the defaults and the real stdin back
 # (a breakpoint() in a worker can read the terminal).
+if [[ -n "$forwarded" ]]; then
+    say "stopped by SIG$forwarded before torchrun started: nothing ran; relaunch the same command"
+    exit 75
+fi
 "$python" -c 'import ctypes, os, signal, sys
 os.setsid()
 for s in (signal.SIGINT, signal.SIGQUIT):

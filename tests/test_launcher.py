@@ -104,7 +104,9 @@ def test_gpus_are_counted_by_torch_without_a_working_nvidia_smi(tmp_path, fake_b
 
 
 @pytest.mark.parametrize("visible, expected", [("-1", None), ("", None), ("1,-1,0", "1"), ("0,1,2,3,4,5", "0,1,2,3"),
-                                               ("GPU-8f2c,GPU-77aa", "GPU-8f2c,GPU-77aa")])
+                                               ("GPU-8f2c,GPU-77aa", "GPU-8f2c,GPU-77aa"),
+                                               # from a review: CUDA sees no GPU, and one, where 2 were planned
+                                               ("1,0,1", None), ("GPU-8f2c,0", "GPU-8f2c")])
 def test_cuda_visible_devices_is_read_as_cuda_reads_it(tmp_path, fake_bin, visible, expected):
     fake_nvidia_smi(fake_bin, 4)
     r = launch(["--test"], tmp_path, fake_bin, CUDA_VISIBLE_DEVICES=visible)
@@ -132,13 +134,20 @@ def test_multi_node_restarts_use_c10d_rendezvous(tmp_path, fake_bin):
     r = launch([*nodes, "--max-restarts", "2"], tmp_path, fake_bin, SLURM_JOB_ID="4711")
     assert "[--rdzv_backend][c10d][--rdzv_endpoint][10.0.0.1:29600][--rdzv_id][4711]" in r.stdout, r.stdout
     assert "--node_rank" not in r.stdout and "[--max_restarts][2]" in r.stdout
+    # static rendezvous needs each node's rank: two nodes that both took 0 waited until the rendezvous timed out
+    failed(launch(["--cpu", "--nnodes", "2", "--master-addr", "10.0.0.1"], tmp_path, fake_bin),
+           "--nnodes 2 needs --node-rank (0 on the --master-addr host, 1 to 1 on the others)")
+    r = launch(["--cpu", "--nnodes", "2", "--master-addr", "10.0.0.1", "--max-restarts", "1"], tmp_path, fake_bin)
+    assert r.returncode == 0 and "[--rdzv_backend][c10d]" in r.stdout, r.stdout
 
 
-@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGQUIT])
-def test_sighup_and_sigquit_reach_torchrun_as_sigterm(tmp_path, fake_bin, sig):
-    """The trainers save on SIGTERM; SIGHUP (a closed terminal) or SIGQUIT passed on as such would kill them."""
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGQUIT, signal.SIGINT])
+def test_sighup_sigquit_and_sigint_reach_torchrun_as_sigterm(tmp_path, fake_bin, sig):
+    """The trainers save on SIGTERM; SIGHUP (a closed terminal) or SIGQUIT passed on as such would kill them.
+    A SIGINT in the first milliseconds after the start hit torchrun's wrapper while bash still had it ignored."""
     then = ('trap "echo TERM > got; exit 1" TERM; trap "echo HUP > got; exit 1" HUP; '
-            'trap "echo QUIT > got; exit 1" QUIT; touch ready; while :; do sleep 0.1; done')
+            'trap "echo QUIT > got; exit 1" QUIT; trap "echo INT > got; exit 1" INT; touch ready; '
+            'while :; do sleep 0.1; done')
     env = clean_env(PATH=f"{fake_bin}:{Path(sys.executable).parent}:/usr/bin:/bin", PYTHON=sys.executable,
                     FAKE_TORCHRUN_THEN=then)
     with background(["bash", LAUNCHER, "--cpu"], tmp_path, env=env) as proc:
@@ -149,6 +158,22 @@ def test_sighup_and_sigquit_reach_torchrun_as_sigterm(tmp_path, fake_bin, sig):
         proc.send_signal(sig)
         proc.communicate(timeout=20)
     assert (tmp_path / "got").read_text().strip() == "TERM"
+
+
+def test_a_stop_while_the_gpus_are_counted_exits_75_before_torchrun_starts(tmp_path, fake_bin):
+    """The launcher set its traps only after counting the GPUs (seconds when torch has to count them): a
+    SIGTERM there ended it with 143 and no word (from a review)."""
+    executable(fake_bin / "nvidia-smi", "#!/bin/sh\ntouch ready\nsleep 1\necho 0\n")
+    env = clean_env(PATH=f"{fake_bin}:{Path(sys.executable).parent}:/usr/bin:/bin", PYTHON=sys.executable)
+    with background(["bash", LAUNCHER, "--test"], tmp_path, env=env) as proc:
+        deadline = time.time() + 20
+        while not (tmp_path / "ready").exists():
+            assert time.time() < deadline and proc.poll() is None, "the GPUs were not counted"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == EXIT_PREEMPTED and "stopped by SIGTERM before torchrun started: nothing ran" in out, out
+    assert "[--standalone]" not in out
 
 
 def test_numbers_are_read_as_decimal(tmp_path, fake_bin):

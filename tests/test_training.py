@@ -230,6 +230,25 @@ def test_evaluate_after_train_on_two_ranks_is_refused(tmp_path):
         assert msg.startswith("evaluate() after train() on a multi-process trainer"), msg
 
 
+def test_a_count_below_one_is_logged_as_sum_over_count(tmp_path, no_launch_env):
+    """A count may be a sum of weights: the logged loss was divided by at least 1 (a count of 0.5 logged half
+    the loss), while the update and the validation loss used the true count (from a review)."""
+    from ddp_training import lm_loss
+
+    def scaled(k):
+        def loss(model, batch):
+            s, c = lm_loss(model, batch)
+            return s * k, c * k, {"same": s.detach() * k}
+        return loss
+    for name, k in (("whole", 1.0), ("weighted", 1e-4)):  # 16 x 32 tokens: a count of 0.0512
+        cfg = dict(QUICK, max_steps=3, val_interval=3, resume="none", log_dir=str(tmp_path / name))
+        DDPTrainer(config=cfg, loss_fn=scaled(k)).train()
+    for a, b in zip(metrics(tmp_path / "whole", "train"), metrics(tmp_path / "weighted", "train")):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4) and b["same"] == pytest.approx(b["loss"], rel=1e-6)
+    assert metrics(tmp_path / "weighted", "val")[0]["val_loss"] == pytest.approx(
+        metrics(tmp_path / "whole", "val")[0]["val_loss"], rel=1e-4)
+
+
 def test_every_module_trains_at_every_step_around_evaluations(tmp_path, no_launch_env):
     """The step sets train mode only at the first step and after an evaluation (a walk of every module costs
     ~0.2 ms): a submodule left in eval mode before training, and the eval mode of every validation, must still
