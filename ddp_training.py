@@ -2110,8 +2110,9 @@ class DDPTrainer:
             return "early_stopped"
         while self.global_step < self.total_steps:
             status, epoch_done = self._epoch(stop_signal)
-            if status is None and epoch_done:
-                status = self._end_epoch()
+            # an early stop at an epoch's last step still ends that epoch (its count, its checkpoint)
+            if epoch_done or (status == "early_stopped" and self.step_in_epoch >= self.steps_per_epoch):
+                status = self._end_epoch(validate=status is None) or status
             if status is not None:
                 return status
         if self.step_in_epoch >= self.steps_per_epoch > 0:  # resumed from a stop at an epoch's last step
@@ -2232,18 +2233,17 @@ class DDPTrainer:
             return self._interrupt(stop_signal)
         return None
 
-    def _end_epoch(self) -> Optional[str]:
+    def _end_epoch(self, validate: bool = True) -> Optional[str]:
         """An epoch ran to its end: per-epoch validation and checkpoint; "early_stopped" or None."""
         cfg = self.cfg
         self.epoch += 1
         self.epoch_data_errors = 0
         self.step_in_epoch = 0
-        if not cfg.val_interval and self._validate():
-            return "early_stopped"
-        if cfg.save_interval and self.epoch % cfg.save_interval == 0:
+        stop = validate and not cfg.val_interval and self._validate()
+        if cfg.save_interval and self.epoch % cfg.save_interval == 0:  # an early stop keeps its epoch's file
             self._save_weights_file(f"epoch_{self.epoch}")
             self.save_state()
-        return None
+        return "early_stopped" if stop else None
 
     def _save_weights_file(self, tag: str) -> None:
         """A step or epoch file; noted, so that a validation later at this step writes it again with its loss."""

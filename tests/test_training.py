@@ -177,6 +177,22 @@ def test_patience_counts_from_the_last_improvement_by_more_than_min_delta(tmp_pa
     assert s["best_val_loss"] == pytest.approx(0.955)  # the best checkpoint follows every improvement
 
 
+@pytest.mark.parametrize("val_interval", [0, "epoch"])
+def test_an_early_stop_at_an_epochs_last_step_still_ends_the_epoch(tmp_path, no_launch_env, val_interval):
+    """Stopped by patience at the end of epoch 2 (a validation every epoch, or every steps_per_epoch steps):
+    the summary said epoch 1 or left out model_epoch_2.pt (from a review)."""
+    cfg = {**QUICK, **dirs(tmp_path), "dataset_size": 256, "num_epochs": 5, "max_steps": 0, "save_interval": 1,
+           "patience": 1, "min_delta": 100.0}
+    probe = DDPTrainer(config=cfg)
+    spe = probe.steps_per_epoch
+    probe.close()
+    trainer = DDPTrainer(config={**cfg, "val_interval": spe if val_interval == "epoch" else 0})
+    s = trainer.train()
+    assert s["status"] == "early_stopped" and s["steps"] == 2 * spe and s["epochs"] == 2, s
+    saved = torch.load(tmp_path / "ckpt" / "model_epoch_2.pt", weights_only=True)
+    assert saved["global_step"] == 2 * spe and "val_loss" in saved
+
+
 def test_compiled_model_trains_like_the_eager_one(tmp_path, no_launch_env):
     cfg = {**QUICK, "max_steps": 8, "val_interval": 0, "resume": "none"}
     eager = DDPTrainer(config={**cfg, **dirs(tmp_path / "eager")}).train()
