@@ -356,11 +356,14 @@ def parse_args(argv=None):
     for flag in ("processed_data_dir", "validation_data_dir", "evaluate", "checkpoint_dir", "log_dir"):
         if getattr(args, flag) == "":  # "$DIR" with DIR unset must not mean "the default"
             parser.error(f"--{flag} must be a path, got an empty string")
+    # The run dir's config.yaml: the flags as given, before the preset and the device fill in the rest (so
+    # another --preset over the file means that preset, and a GPU run's file loads on the CPU). How this
+    # launch began is no property of the run: loaded again, the file continues it.
+    run_config = {**{k: v for k, v in vars(args).items() if k not in NOT_RECORDED}, "resume": "auto"}
     for key, value in config.PREDICTOR_PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.lr = PRESET_LR[args.preset] if args.lr is None else args.lr
-    given_device = args.device  # recorded as given: a file from a GPU run also loads on the CPU
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.evaluate:
         if not args.validation_data_dir:
@@ -399,9 +402,7 @@ def parse_args(argv=None):
         parser.error(f"--predictor_dim {args.predictor_dim} must be divisible by --num_heads {args.num_heads}")
     if (why := rt.bad_run_name(args.run_name)) is not None:
         parser.error(f"--run_name {why} (--checkpoint_dir, --log_dir)")
-    # how this launch began is no property of the run: loaded again, the file continues it
-    args.run_config = {**{k: v for k, v in vars(args).items() if k not in NOT_RECORDED},
-                       "device": given_device, "resume": "auto"}
+    args.run_config = run_config
     return args
 
 
@@ -438,6 +439,8 @@ def defaults_from_file(parser, path, given) -> dict:
 
 
 def flag_value(parser, action, where, value):
+    """A YAML value for one flag, as the flag would read its text."""
+    expected = getattr(action.type, "__name__", "str")
     if isinstance(value, (dict, list)):
         parser.error(f"{where} must be a single value, got a {type(value).__name__}")
     if action.nargs == 0:  # a switch (store_true)
@@ -448,12 +451,12 @@ def flag_value(parser, action, where, value):
         if action.default is not None:
             parser.error(f"{where} must not be null (default {action.default!r})")
         return None
+    if isinstance(value, bool):  # YAML's true/false for a number or a path
+        parser.error(f"{where} expects {expected}, got {value!r}")
     try:
-        if isinstance(value, bool):
-            raise ValueError("a true/false")
         read = action.type(str(value)) if action.type else str(value)
     except (ValueError, argparse.ArgumentTypeError):
-        parser.error(f"{where} expects {getattr(action.type, '__name__', 'str')}, got {value!r}")
+        parser.error(f"{where} expects {expected}, got {value!r}")
     if action.choices and read not in action.choices:
         parser.error(f"{where} must be one of {list(action.choices)}, got {value!r}")
     return read

@@ -12,8 +12,8 @@ import time
 
 import pytest
 import torch
-import yaml
 import torch.nn.functional as F
+import yaml
 
 from conftest import REPO, background, clean_env, make_vj2_data, metrics, run, torchrun, wait_for_step
 
@@ -182,6 +182,9 @@ def test_a_config_file_is_read_like_the_flags_and_a_run_records_one(tmp_path, ca
     path.write_text(yaml.safe_dump(args.run_config))
     again = vj2.parse_args(["--config", str(path)])
     assert again.run_config == args.run_config and again.seed == 3 and again.depth == args.depth
+    assert args.run_config["depth"] is None  # filled in by the preset at each load: another --preset wins
+    assert vj2.parse_args(["--config", str(path), "--preset", "tiny"]).depth == vj2.config.PREDICTOR_PRESETS["tiny"][
+        "depth"]
     # another run name is another run: the file's checkpoint dir is not reused
     assert vj2.parse_args(["--config", str(path), "--run_name", "b"]).checkpoint_dir is None
     assert "note: --run_name replaces checkpoint_dir=ck/a" in capsys.readouterr().err
