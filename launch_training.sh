@@ -35,7 +35,8 @@ Usage: ./launch_training.sh [OPTIONS] [-- SCRIPT_ARGS...]
 
 GPUs are counted with nvidia-smi, or with torch.cuda.device_count() where nvidia-smi is missing or fails.
 A CUDA_VISIBLE_DEVICES already set is read as CUDA reads it: up to its first entry that is not a GPU
-(-1 hides them all), at most the GPUs counted. On the CPU, OMP_NUM_THREADS defaults to the cores
+(-1 hides them all) or where indices and UUIDs switch, at most the GPUs counted; a GPU listed twice hides
+them all. On the CPU, OMP_NUM_THREADS defaults to the cores
 divided among the processes (torchrun alone would set 1).
 
 Signals: SIGTERM and SIGUSR1 are forwarded once to torchrun, which passes them to the workers; the
@@ -334,7 +335,6 @@ new_file() {  # new_file NAME [TEXT]: the first NAME newer than this launch in t
     done < <(marker_dirs)
 }
 new_marker() { new_file "$1" "\"launch_id\": \"$DDP_KIT_LAUNCH_ID\""; }  # PREEMPTED|COMPLETED of this launch
-
 
 stamp=$(mktemp "${TMPDIR:-/tmp}/launch_training.XXXXXX") || die "cannot create a file in ${TMPDIR:-/tmp} (set TMPDIR)"
 # torchrun copies the first failed worker's reason here, with its exit code (see rt.refuse)
