@@ -104,12 +104,33 @@ def detect_launch_env() -> dict:
     """
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
-        return dict(rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
-                    local_rank=int(env.get("LOCAL_RANK", env["RANK"])), launcher="torchrun")
-    slurm = _slurm_task(env)
-    if slurm is not None:
-        return slurm
-    return dict(rank=0, world_size=1, local_rank=0, launcher="none")
+        found = dict(rank=_int_env(env, "RANK"), world_size=_int_env(env, "WORLD_SIZE"),
+                     local_rank=_int_env(env, "LOCAL_RANK" if "LOCAL_RANK" in env else "RANK"), launcher="torchrun")
+    else:
+        found = _slurm_task(env) or dict(rank=0, world_size=1, local_rank=0, launcher="none")
+    # else the process would refuse or wait at the rendezvous, and only rank 0 says why
+    if not 0 <= found["rank"] < found["world_size"] or found["local_rank"] < 0:
+        shown = " ".join(f"{k}={env[k]}" for k in LAUNCH_VARS if k in env)
+        raise LaunchEnvError(f"rank {found['rank']} (local rank {found['local_rank']}) of world size "
+                             f"{found['world_size']}, from {shown}: expected 0 <= rank < world size")
+    return found
+
+
+# What detect_launch_env reads
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS",
+               "SLURM_LOCALID")
+
+
+class LaunchEnvError(ValueError):
+    """Launch variables that cannot describe this process: not a number, a rank outside the world size."""
+
+
+def _int_env(env, name: str, default: Optional[str] = None) -> int:
+    value = env.get(name, default)
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise LaunchEnvError(f"{name}={value!r} is not a whole number (set by the launcher: torchrun, srun)") from None
 
 
 def _slurm_step_tasks(env) -> Optional[int]:
@@ -117,10 +138,10 @@ def _slurm_step_tasks(env) -> Optional[int]:
     if "SLURM_PROCID" not in env:
         return None
     if "SLURM_STEP_NUM_TASKS" in env:
-        return int(env["SLURM_STEP_NUM_TASKS"])
-    if int(env["SLURM_PROCID"]) == 0 or "SLURM_NTASKS" not in env:
+        return _int_env(env, "SLURM_STEP_NUM_TASKS")
+    if _int_env(env, "SLURM_PROCID") == 0 or "SLURM_NTASKS" not in env:
         return None  # the batch script (always task 0 of its own one-task step), not an srun task
-    return int(env["SLURM_NTASKS"])  # a task > 0 without step variables: not the batch script
+    return _int_env(env, "SLURM_NTASKS")  # a task > 0 without step variables: not the batch script
 
 
 def _slurm_task(env) -> Optional[dict]:
@@ -128,7 +149,7 @@ def _slurm_task(env) -> Optional[dict]:
     ntasks = _slurm_step_tasks(env)
     if ntasks is None:
         return None
-    rank = int(env["SLURM_PROCID"])
+    rank = _int_env(env, "SLURM_PROCID")
     if ntasks > 1:
         # c10d's env:// rendezvous reads these; SLURM does not set them itself.
         if "MASTER_ADDR" not in env:
@@ -137,12 +158,14 @@ def _slurm_task(env) -> Optional[dict]:
                 raise RuntimeError("SLURM run with several tasks but neither MASTER_ADDR nor "
                                    "SLURM_JOB_NODELIST is set")
             os.environ["MASTER_ADDR"] = first_slurm_host(nodelist)
-        os.environ.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+        # the step too: two srun steps side by side in one allocation (a sweep) must not share a port
+        os.environ.setdefault("MASTER_PORT", str(20000 + (_int_env(env, "SLURM_JOB_ID", "0") +
+                                                          _int_env(env, "SLURM_STEP_ID", "0")) % 20000))
         # the ranks sharing this node's cores (threads, loader workers); the world size would starve them
         per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
         if per_node and "LOCAL_WORLD_SIZE" not in env:
             os.environ["LOCAL_WORLD_SIZE"] = str(slurm_tasks_on_node(per_node, int(env.get("SLURM_NODEID", "0"))))
-    return dict(rank=rank, world_size=ntasks, local_rank=int(env.get("SLURM_LOCALID", "0")), launcher="slurm")
+    return dict(rank=rank, world_size=ntasks, local_rank=_int_env(env, "SLURM_LOCALID", "0"), launcher="slurm")
 
 
 def pick_backend(requested: Optional[str], device: str = "auto") -> str:

@@ -2746,7 +2746,10 @@ def main(argv: Optional[list] = None) -> int:
         return rt.refuse(str(exc))
     if args.nproc < 1:
         return rt.refuse(f"--nproc must be >= 1, got {args.nproc}")
-    launch = rt.detect_launch_env()
+    try:
+        launch = rt.detect_launch_env()
+    except rt.LaunchEnvError as exc:  # every rank says it: each may have its own wrong number
+        return rt.refuse(str(exc))
     if args.nproc > 1:
         if launch["world_size"] > 1:
             return rt.refuse("--nproc spawns its own processes; do not combine it with torchrun/srun")

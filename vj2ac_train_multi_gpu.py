@@ -597,7 +597,10 @@ def evaluate(args, launch):
 
 def main(argv=None):
     args = parse_args(argv)
-    launch = rt.detect_launch_env()  # LOCAL_RANK from the environment wins over --local_rank
+    try:
+        launch = rt.detect_launch_env()  # LOCAL_RANK from the environment wins over --local_rank
+    except rt.LaunchEnvError as exc:  # every rank says it: each may have its own wrong number
+        return rt.refuse(str(exc))
     if args.evaluate:  # no save to stop at: a stop ends the evaluation, as it did before the early handlers
         rt.FirstSignal(EARLY_STOPS).release()
     try:

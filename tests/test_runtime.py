@@ -6,6 +6,7 @@ import io
 import json
 import logging
 import os
+import re
 import random
 import signal
 import subprocess
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 import ddp_runtime as rt
 from conftest import REPO, FlakyData, Indices
-from dist_helpers import spawn
+from dist_helpers import run_script_forked, spawn
 
 
 # -- launch environments ------------------------------------------------------
@@ -58,6 +59,28 @@ def test_detect_env_plain_and_torchrun(no_slurm_step, monkeypatch):
     assert rt.detect_launch_env() == dict(rank=3, world_size=4, local_rank=1, launcher="torchrun")
 
 
+@pytest.mark.parametrize("variables, message", [
+    (dict(RANK="4", WORLD_SIZE="4"), "rank 4 (local rank 4) of world size 4, from RANK=4 WORLD_SIZE=4: expected 0 <= "
+                                     "rank < world size"),
+    (dict(RANK="-1", WORLD_SIZE="2", LOCAL_RANK="0"), "rank -1 (local rank 0) of world size 2"),
+    (dict(RANK="abc", WORLD_SIZE="2"), "RANK='abc' is not a whole number"),
+    (dict(SLURM_PROCID="3", SLURM_STEP_NUM_TASKS="2", SLURM_STEP_NODELIST="gpu1"), "rank 3 (local rank 0) of world "
+                                                                                   "size 2, from SLURM_PROCID=3"),
+])
+def test_launch_variables_that_make_no_sense_are_an_error_on_every_rank(no_slurm_step, monkeypatch, tmp_path,
+                                                                          variables, message):
+    """A rank outside the world size was refused by the rendezvous with the message shown on rank 0 only: the
+    process itself exited 2 without a word, and RANK=abc was a traceback (from a review)."""
+    for var, value in variables.items():
+        monkeypatch.setenv(var, value)
+    with pytest.raises(rt.LaunchEnvError, match=re.escape(message)):
+        rt.detect_launch_env()
+    for script, argv in (("ddp_training", ["--cpu"]),
+                         ("vj2ac_train_multi_gpu", ["--processed_data_dir", "t", "--validation_data_dir", "v"])):
+        code, out = run_script_forked(script, argv, tmp_path, {**os.environ})
+        assert code == 2 and f"error: {message}" in out and "Traceback" not in out, (script, out)
+
+
 def slurm_job(monkeypatch, procid, ntasks=8):
     """The variables of a job with `ntasks` tasks on gpu[12-15], as seen by task `procid`."""
     for var, value in dict(SLURM_PROCID=procid, SLURM_NTASKS=ntasks, SLURM_LOCALID=procid % 4,
@@ -77,6 +100,10 @@ def test_detect_env_srun_task(no_slurm_step, monkeypatch):
     assert rt.detect_launch_env() == dict(rank=5, world_size=8, local_rank=1, launcher="slurm")
     assert os.environ["MASTER_ADDR"] == "gpu12"
     assert os.environ["MASTER_PORT"] == str(20000 + 4242 % 20000)
+    monkeypatch.delenv("MASTER_PORT")
+    monkeypatch.setenv("SLURM_STEP_ID", "1")  # a second step beside the first in the same allocation
+    rt.detect_launch_env()
+    assert os.environ["MASTER_PORT"] == str(20000 + 4243 % 20000)
 
 
 def test_srun_tasks_share_their_node_not_the_world(no_slurm_step, monkeypatch):
