@@ -241,7 +241,8 @@ def setup_distributed(rank: int, world_size: int, local_rank: Optional[int] = No
         torch.cuda.set_device(dev)
     else:
         dev = torch.device("cpu")
-        limit_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), world_size)
+    # GPU ranks too: their host work (collation, the optimizer's CPU parts) shares the node's cores
+    limit_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), world_size)
 
     if world_size == 1:
         return DistEnv(rank, local_rank, 1, None, dev)

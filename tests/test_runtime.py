@@ -81,6 +81,23 @@ def test_launch_variables_that_make_no_sense_are_an_error_on_every_rank(no_slurm
         assert code == 2 and f"error: {message}" in out and "Traceback" not in out, (script, out)
 
 
+def test_gpu_ranks_share_the_nodes_cores_for_threads_too(no_slurm_step, monkeypatch):
+    """Only the CPU path shared them: under srun (no torchrun to set OMP_NUM_THREADS) each GPU rank of a node
+    took every core (from a review)."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(rt, "cuda_index", lambda local_rank: 0)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(rt.cpu_count())
+        env = rt.setup_distributed(0, 1, None, None, "cuda")
+        assert env.device == torch.device("cuda", 0) and torch.get_num_threads() == max(1, rt.cpu_count() // 2)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def slurm_job(monkeypatch, procid, ntasks=8):
     """The variables of a job with `ntasks` tasks on gpu[12-15], as seen by task `procid`."""
     for var, value in dict(SLURM_PROCID=procid, SLURM_NTASKS=ntasks, SLURM_LOCALID=procid % 4,
