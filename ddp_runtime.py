@@ -93,6 +93,23 @@ def slurm_tasks_on_node(tasks_per_node: str, node_id: int) -> int:
     return counts[node_id]
 
 
+# What detect_launch_env reads
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS",
+               "SLURM_LOCALID")
+
+
+class LaunchEnvError(ValueError):
+    """Launch variables that cannot describe this process: not a number, a rank outside the world size."""
+
+
+def _int_env(env, name: str, default: Optional[str] = None) -> int:
+    value = env.get(name, default)
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise LaunchEnvError(f"{name}={value!r} is not a whole number (set by the launcher: torchrun, srun)") from None
+
+
 def detect_launch_env() -> dict:
     """Rank, local rank and world size from torchrun or SLURM; a plain process is rank 0 of 1.
 
@@ -114,23 +131,6 @@ def detect_launch_env() -> dict:
         raise LaunchEnvError(f"rank {found['rank']} (local rank {found['local_rank']}) of world size "
                              f"{found['world_size']}, from {shown}: expected 0 <= rank < world size")
     return found
-
-
-# What detect_launch_env reads
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS",
-               "SLURM_LOCALID")
-
-
-class LaunchEnvError(ValueError):
-    """Launch variables that cannot describe this process: not a number, a rank outside the world size."""
-
-
-def _int_env(env, name: str, default: Optional[str] = None) -> int:
-    value = env.get(name, default)
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise LaunchEnvError(f"{name}={value!r} is not a whole number (set by the launcher: torchrun, srun)") from None
 
 
 def _slurm_step_tasks(env) -> Optional[int]:

@@ -2093,7 +2093,8 @@ class DDPTrainer:
         self._set_aside_old_states()
         self._write_resolved_config()
         self._link_checkpoints()
-        log_files = tuple(f"{name}." for name in ("metrics.jsonl", "config.yaml", COMPLETED_MARKER, rt.PREEMPTED_MARKER))
+        log_files = tuple(f"{name}." for name in (self.metrics_path.name, "config.yaml", COMPLETED_MARKER,
+                                                  rt.PREEMPTED_MARKER))
         for p in (rt.remove_stale_temp_files(self.ckpt_dir, (f"{self.cfg.checkpoint_prefix}_",)) +
                   rt.remove_stale_temp_files(self.cfg.log_dir, log_files)):
             self.log.warning("removed %s, left by a write that was cut short", p)
@@ -2315,8 +2316,8 @@ class DDPTrainer:
                 raise
             self.log.error("%s; writing step %d's files again", exc, self.global_step)
             self.save_checkpoint(tag)
-            self.save_state()
-            self.writer.flush()
+            self.state_step = None  # its save point's state may be the write that failed
+            self._save_again_after_a_failed_write()
 
     def _after_step(self, r: dict, step_time: float, global_batch: int) -> None:
         cfg = self.cfg
@@ -2437,8 +2438,7 @@ class DDPTrainer:
             self.save_checkpoint("final")
             if self.state_step != self.global_step:  # a longer max_steps (or patience) then trains on from here
                 self.save_state()
-            self._flush_writing_again_once("final")
-        self.writer.flush()
+            self._flush_writing_again_once("final")  # (a stop's files: _interrupt waited for them)
         test = self.evaluate(self.test_loader) if self.test_loader is not None and status != "interrupted" else None
         wall = time.monotonic() - self.t0
         memory = self.memory.stats()

@@ -269,20 +269,20 @@ def load_run(run_dir, name: Optional[str] = None) -> Run:
     path = run_dir / METRICS_FILE
     if not run_dir.is_dir():
         raise LogError(f"{run_dir}: no such directory")
-    if not path.is_file():
-        if (run_dir / "rank_0.log").is_file():  # the trainer opens metrics.jsonl when training starts
-            error = first_error(run_dir / "rank_0.log")
-            if error:
-                raise SetUpFailed(f"{run_dir}: failed before its first step: {error}")
-            raise NoRecords(f"{run_dir}: no {METRICS_FILE} yet (the run is still setting up)")
+    log = run_dir / "rank_0.log"
+    if not path.is_file() and not log.is_file():
         raise LogError(f"{run_dir}: no {METRICS_FILE} here (not a run directory? "
                        f"`summary --all {run_dir}` searches below it)")
     try:
+        if not path.is_file():  # the trainer opens metrics.jsonl when training starts
+            raise NoRecords(f"{run_dir}: no {METRICS_FILE} yet (the run is still setting up)")
         records = read_metrics(path)
-    except NoRecords:
-        error = first_error(run_dir / "rank_0.log") if (run_dir / "rank_0.log").is_file() else None
-        if error:
+    except NoRecords:  # still starting, unless the newest launch logged an error: then it never will train
+        error = first_error(log) if log.is_file() else None
+        if error and path.is_file():
             raise FailedEarly(f"{run_dir}: failed before its first record: {error}") from None
+        if error:
+            raise SetUpFailed(f"{run_dir}: failed before its first step: {error}") from None
         raise
     records = last_session(records, path)
     run = Run(name=name or run_dir.resolve().name, path=run_dir)

@@ -189,8 +189,8 @@ def read_member(path, zf, key, max_ratio, max_bytes):
             if version not in NPY_HEADER_READERS:
                 raise ValueError(f"unsupported .npy format version {version}")
             shape, fortran_order, dtype = NPY_HEADER_READERS[version](fp)
-        # numpy's parser for a damaged header dict (or dtype string) can also fail as a SyntaxError or
-        # tokenize's TokenError, never as a ValueError
+        # numpy's parser fails on a damaged header dict (or dtype string) not only with a ValueError: also
+        # with a SyntaxError or tokenize's TokenError
         except (ValueError, SyntaxError, tokenize.TokenError) as e:
             raise DataFileError(f"{path}: key '{key}' is not a valid .npy array ({e}); "
                                 f"expected a {FLOAT_DTYPES} array {LAYOUTS[key]}") from e
