@@ -1754,9 +1754,12 @@ class CheckpointWriter:
         self._memo: dict = {}
         self._pending = 0
         self.retry_pending = False  # a write failed; the save point after it writes again (see save)
+        self._failed: dict = {}  # path -> the job of a failed write saved with again=True (see write_failed_again)
 
-    def save(self, payload: Any, path: str | os.PathLike, group: Any = None, then=None) -> Path:
-        """Write `payload` to `path` (on rank 0), then call `then()` there (e.g. prune old files)."""
+    def save(self, payload: Any, path: str | os.PathLike, group: Any = None, then=None, again: bool = False) -> Path:
+        """Write `payload` to `path` (on rank 0), then call `then()` there (e.g. prune old files). With `again`,
+        a failed background write keeps its copy for write_failed_again(), until a later save to `path`: a file
+        that no later save point writes (the best weights, a step's) would otherwise stay stale."""
         path = Path(path)
         if not self.background:
             run_on_rank0(self._write_now, payload, path, then, what=f"writing {path}")
@@ -1780,8 +1783,17 @@ class CheckpointWriter:
                 self.retry_pending = True
             self._group = group
         if self.is_writer:
-            self._queue(payload, path, then)
+            self._queue(payload, path, then, again)
         return path
+
+    def write_failed_again(self) -> None:
+        """Queue once more the failed writes that were saved with `again` and not replaced since."""
+        with self._lock:
+            jobs, self._failed = list(self._failed.values()), {}
+            self._pending += len(jobs)
+        for job in jobs:
+            self.log.info("writing %s again", job[1])
+            self._jobs.put(job)
 
     @staticmethod
     def worth_writing_again(exc: Exception) -> bool:
@@ -1790,16 +1802,17 @@ class CheckpointWriter:
             return exc.kind == CheckpointError.__name__
         return isinstance(exc, CheckpointError) and not isinstance(exc, CheckpointWriteHung)
 
-    def _queue(self, payload: Any, path: Path, then) -> None:
+    def _queue(self, payload: Any, path: Path, then, again: bool) -> None:
         with self._lock:
             self._pending += 1
             memo = self._memo
+            self._failed.pop(path, None)  # this write replaces it
         try:
             snapshot = self._snapshot(payload, memo)
         except BaseException:
             self._release()
             raise
-        self._jobs.put((snapshot, path, then))
+        self._jobs.put((snapshot, path, then, again))
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name="checkpoint-writer", daemon=True)
             self._thread.start()
@@ -1855,7 +1868,7 @@ class CheckpointWriter:
                 return CheckpointError(f"a checkpoint write {what}")
             self._thread = None
         with self._lock:
-            self._memo = {}
+            self._memo, self._failed = {}, {}
         return self._error
 
     def _wait(self) -> None:
@@ -1891,11 +1904,14 @@ class CheckpointWriter:
         while (job := self._jobs.get()) is not None:
             path = job[1]
             try:
-                self._write(*job)
+                self._write(*job[:3])
             except Exception as exc:  # raised in the training thread by flush()
                 # Text only: the exception's traceback holds the payload, which must not outlive the write.
                 text = f"{type(exc).__name__}: {exc}"
                 self.log.error("writing %s failed: %s", path, text)
+                if job[3]:  # kept before the error shows: failed() answers the other ranks
+                    with self._lock:
+                        self._failed[path] = job
                 if self._error is None:
                     self._error = CheckpointError(f"writing {path} failed: {text}")
             finally:

@@ -870,6 +870,18 @@ def next_batch(batches) -> Any:
                           counted=getattr(exc, "counted", True))
 
 
+def next_micro_batches(batches, n: int) -> list:
+    """A step's n micro-batches. After a fatal loading error (a stuck or dead worker) the rest are that error:
+    reading on would wait out loader_timeout again for each, while the other ranks wait in the step."""
+    micro = []
+    while len(micro) < n:
+        if micro and isinstance(micro[-1], BatchError) and micro[-1].fatal:
+            micro.append(micro[-1])
+        else:
+            micro.append(next_batch(batches))
+    return micro
+
+
 # What gloo's failures say (its source path, or the peer's end); gloo raises them as plain RuntimeErrors, NCCL's
 # come as DistErrors. Matched only in a plain RuntimeError: a path or message of the run's own (an OSError
 # naming runs/gloo_test/metrics.jsonl) is no peer's failure.
@@ -1040,6 +1052,12 @@ class DDPTrainer:
         self.data_info: dict = {}
         builtin_data, user_extra = model is None, checkpoint_extra
         if builtin_data:
+            given = [name for name, ds in (("train_dataset", train_dataset), ("val_dataset", val_dataset),
+                                           ("test_dataset", test_dataset)) if ds is not None]
+            if given:  # they would be dropped without a word
+                raise ValueError(f"{', '.join(given)} given without a model: with no model the trainer trains its "
+                                 f"built-in CausalLM on its own data (synthetic, or the 'data' file); pass "
+                                 f"model= to train on these")
             model, (train_dataset, val_dataset, test_dataset) = self._builtin_lm()
             checkpoint_extra = {"model_config": model.config, **(checkpoint_extra or {})}
             describe = describe or f"CausalLM {model.config}"
@@ -1366,7 +1384,7 @@ class DDPTrainer:
                 elif batch.counted:
                     data_errors += 1
                     self.local_errors.append(f"data error: {batch.text}")
-                batch, weight = self._spare(batch.text), 0.0
+                batch, weight = self._spare_micro_batch(batch.text), 0.0
             elif self.spare_batch is None:
                 self.spare_batch = batch
             if fatal and not self.env.is_distributed:  # no collectives to keep: the step fails as it is
@@ -1483,6 +1501,17 @@ class DDPTrainer:
         except TypeError:  # NotSplittable, or no tensor to count samples by: with weight zero, the whole will do
             return spare
 
+    def _spare_micro_batch(self, why: str):
+        """The spare cut to this step's micro-batch size: after an out-of-memory retry the whole spare would not
+        fit, and each retry would split the failed batch further while replaying it whole."""
+        spare = self._spare(why)
+        if self.micro_splits == 1:
+            return spare
+        try:
+            return rt.split_batch(spare, 0, self.micro_splits)
+        except TypeError:  # cannot be split: the step's retry stops at _split_micro_batches before this
+            return spare
+
     def _split_micro_batches(self, micro: list, ways: int, retry: bool = False) -> list:
         """Each micro-batch in `ways` pieces. A failed batch stays one error (counted by its first piece), and
         none on a `retry`: the step's first attempt counted it."""
@@ -1492,18 +1521,23 @@ class DDPTrainer:
         # load must not go on into the step while the others stop
         if self.micro_splits > self.cfg.batch_size:
             raise self._cannot_retry("out of memory even with micro-batches of one sample")
+        if all(isinstance(b, BatchError) for b in micro):  # nothing to split: the others' verdict, from the spare
+            self._split_batch(self._spare("out of memory"), ways)
         out = []
         for b in micro:
             if isinstance(b, BatchError):
                 out.extend(dataclasses.replace(b, counted=b.counted and not retry and k == 0) for k in range(ways))
-                continue
-            try:
-                out.extend(rt.split_batch(b, k, ways) for k in range(ways))
-            except TypeError as exc:  # the same batch layout on every rank: every rank stops here
-                raise self._cannot_retry(f"out of memory, and its micro-batches cannot be split to retry with fewer "
-                                         f"samples: {exc}; lower batch_size, or give per-sample values (a count per "
-                                         f"sample, not one for the batch)") from None
+            else:
+                out.extend(self._split_batch(b, ways))
         return out
+
+    def _split_batch(self, batch, ways: int) -> list:
+        try:
+            return [rt.split_batch(batch, k, ways) for k in range(ways)]
+        except TypeError as exc:  # the same batch layout on every rank: every rank stops here
+            raise self._cannot_retry(f"out of memory, and its micro-batches cannot be split to retry with fewer "
+                                     f"samples: {exc}; lower batch_size, or give per-sample values (a count per "
+                                     f"sample, not one for the batch)") from None
 
     def _cannot_retry(self, why: str) -> StepFailed:
         """The out-of-memory retry cannot go on. Each rank decides it from what it holds, without a collective,
@@ -1655,7 +1689,7 @@ class DDPTrainer:
         """Rank 0 writes the checkpoint payload atomically, in the background unless async_checkpoint
         is off; a failed write is an error on every rank."""
         path, payload = self.checkpoint_path(tag), self.checkpoint_payload()
-        self.writer.save(payload, path, group=self.global_step)
+        self.writer.save(payload, path, group=self.global_step, again=True)
         if self.env.is_main:
             self.log.info("%s checkpoint %s (step %d%s)", self._saved(), path, self.global_step,
                           f", val_loss {payload['val_loss']:.6f}" if "val_loss" in payload else "")
@@ -2132,7 +2166,7 @@ class DDPTrainer:
         batches = self._epoch_batches()
         for i in range(self.step_in_epoch, self.steps_per_epoch):
             try:
-                micro = [next_batch(batches) for _ in range(cfg.grad_accum_steps)]
+                micro = next_micro_batches(batches, cfg.grad_accum_steps)
             except StopIteration:  # a stream ran dry; dispatch tells every rank at once
                 break
             except rt.CollectiveFailed as exc:  # dispatch: rank 0 is gone or stuck
@@ -2269,11 +2303,13 @@ class DDPTrainer:
 
     def _save_again_after_a_failed_write(self) -> None:
         """A background write failed: rank 0 said so in this step's all-reduce, or a save point of this step met
-        the error. This step's state is written (unless a save point of this step wrote it already) and waited
-        for: a passing failure (a disk that was full for a moment) costs no work, where waiting for the next save
-        point would leave two intervals unsaved. If this write fails too, the run stops."""
+        the error. This step's state is written (unless a save point of this step wrote it already), a weights
+        file whose write failed is written again from its copy (the best weights of an earlier step), and both
+        are waited for: a passing failure (a disk that was full for a moment) costs no work, where waiting for
+        the next save point would leave two intervals unsaved. If this write fails too, the run stops."""
         if self.state_step != self.global_step:
             self.save_state()  # its flush meets the failed write, if no save point of this step did
+        self.writer.write_failed_again()  # weights files no later save point writes (best, step_N)
         self.writer.flush()
         self.writer.retry_pending = False
 

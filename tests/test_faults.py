@@ -19,7 +19,7 @@ import torch.nn as nn
 import ddp_runtime as rt
 from conftest import FlakyData, Indices, background, metrics, clean_env, torchrun, torchrun_workers, wait_for_step
 from dist_helpers import spawn
-from ddp_training import CausalLM, DDPTrainer, StepFailed, TrainConfig, lm_loss, synthetic_lm_data
+from ddp_training import CausalLM, DDPTrainer, StepFailed, TrainConfig, lm_loss, next_micro_batches, synthetic_lm_data
 
 pytestmark = pytest.mark.multi
 
@@ -327,6 +327,21 @@ def test_a_stuck_loader_worker_fails_the_run_at_its_first_timeout(tmp_path):
                 pass
 
 
+def test_a_stuck_worker_is_waited_for_once_per_step_not_once_per_micro_batch():
+    """With gradient accumulation, reading on after a loader timeout waited it out again for each micro-batch
+    (3 x 120 s by default, past the others' dist_timeout of 300 s)."""
+    class Stuck:
+        reads = 0
+
+        def __next__(self):
+            self.reads += 1
+            raise RuntimeError("DataLoader timed out after 8 seconds")
+
+    loader = Stuck()
+    micro = next_micro_batches(loader, 3)
+    assert len(micro) == 3 and all(m.fatal and "a worker is stuck" in m.text for m in micro) and loader.reads == 1
+
+
 def _failing_writes(rank, world_size, root, failing: str, delay: float = 0.0):
     """Rank 0's writes of files whose name contains `failing` fail as on a full disk, after `delay` seconds.
     Without a delay, rank 0 waits at step 7 until its writer knows, so that step's all-reduce carries it."""
@@ -406,6 +421,29 @@ def test_a_failed_write_at_a_stop_or_at_the_end_is_written_again(tmp_path, monke
         assert "No space left on device; writing step 6's files again" in (root / "logs" / "rank_0.log").read_text()
     resumed = DDPTrainer(config=cfg_for(tmp_path / "stop", save_every_iters=3, resume="auto")).train()
     assert resumed["resumed_from"].endswith("model_state_step_6.pt") and resumed["steps"] == 12
+
+
+def test_a_weights_file_whose_write_failed_is_written_again_from_its_copy(tmp_path, monkeypatch, no_launch_env):
+    """The state of a later step replaces a failed state, but no later save point writes step 6's weights file,
+    or the best weights of the last validation: they were lost, model_best.pt silently a step behind the
+    summary's best_val_loss (from a review). Each is written again from the copy of its step."""
+    save, failed = rt.atomic_save, []
+
+    def full_disk_once(obj, path):
+        if path.name in ("model_step_6.pt", "model_best.pt") and obj["global_step"] in (6, 12) \
+                and path.name not in failed:
+            failed.append(path.name)
+            raise OSError(28, "No space left on device")
+        return save(obj, path)
+    monkeypatch.setattr(rt, "atomic_save", full_disk_once)
+    s = DDPTrainer(config=cfg_for(tmp_path, save_every_iters=3, val_interval=6)).train()
+    assert sorted(failed) == ["model_best.pt", "model_step_6.pt"] and s["status"] == "completed"
+    step_6 = torch.load(tmp_path / "ckpt" / "model_step_6.pt", weights_only=True)
+    assert step_6["global_step"] == 6 and step_6["val_loss"] < 4.0
+    best = torch.load(tmp_path / "ckpt" / "model_best.pt", weights_only=True)
+    assert (best["global_step"], best["val_loss"]) == (12, s["best_val_loss"])
+    log = (tmp_path / "logs" / "rank_0.log").read_text()
+    assert f"writing {tmp_path / 'ckpt' / 'model_step_6.pt'} again" in log
 
 
 def _train_resuming(rank, world_size, root, max_steps, local_dir_on_rank_1):
@@ -769,6 +807,39 @@ def test_a_step_retried_after_out_of_memory_counts_its_failed_batch_once(tmp_pat
     assert log.count("failed to load") == 1 and "1 batch(es) failed to load at step 1 (1 this epoch, max 1)" in log
 
 
+class ReadFails(torch.utils.data.Dataset):
+    """`base`, whose `nth` read fails (an unreadable record, wherever the shuffle puts it)."""
+
+    def __init__(self, base, nth):
+        self.base, self.nth, self.reads = base, nth, 0
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        self.reads += 1
+        if self.reads == self.nth:
+            raise OSError("record unreadable")
+        return self.base[i]
+
+
+def test_a_batch_that_fails_to_load_after_an_out_of_memory_retry_is_skipped(tmp_path, no_launch_env):
+    """After step 1's out-of-memory retry, micro-batches hold 4 samples. A batch that fails to load later is
+    replayed with a spare of that size: the whole spare (8) ran out of memory again, each retry split the
+    step further, and the run failed with "out of memory even with micro-batches of one sample"."""
+    data = synthetic_lm_data(TrainConfig.from_dict(CFG))
+    cfg = cfg_for(tmp_path, max_errors_per_epoch=1, grad_accum_steps=2)
+    flaky = ReadFails(data.train, nth=None)
+    trainer = DDPTrainer(config=cfg, model=CausalLM(64, 32, 1, 2, 16), train_dataset=flaky, val_dataset=data.val,
+                         loss_fn=OutOfMemoryAbove(0, 0, 4))
+    flaky.reads, flaky.nth = 0, 8 * 2 * 4 + 3  # counted from the first step's: in step 5
+    summary = trainer.train()
+    assert (summary["status"], summary["steps"], summary["skipped_steps"]) == ("completed", 12, 0)
+    log = (tmp_path / "logs" / "rank_0.log").read_text()
+    assert "retrying step 1 with micro-batches split 2 ways" in log and "split 4 ways" not in log
+    assert "1 batch(es) failed to load at step 5 (1 this epoch, max 1)" in log
+
+
 def test_out_of_memory_frees_the_failed_forward_before_the_replay(tmp_path, no_launch_env):
     """The weight-zero replay that keeps the step's collectives runs after the failed forward's tensors are
     freed: on a GPU out of memory they are what the replay needs (the exception's frames held them)."""
@@ -934,6 +1005,27 @@ def test_out_of_memory_with_a_count_for_the_whole_batch_stops_instead_of_halving
                                          r"fewer samples: batch\['n'\] is int 4, one value for the whole batch"):
         trainer.train()
     assert_last_good_weights(tmp_path, 1)
+
+
+def _out_of_memory_beside_a_failed_batch(rank, world_size, root):
+    cfg = cfg_for(root, batch_size=4, max_steps=4, dist_timeout=20, max_errors_per_epoch=4)
+    order = list(rt.ResumableDistributedSampler(range(64), num_replicas=2, rank=1, shuffle=True,
+                                                seed=TrainConfig().seed, drop_last=True))  # rank 1's samples
+    try:
+        DDPTrainer(rank=rank, world_size=world_size, config=cfg, model=bn_model(),
+                   train_dataset=IdsAndFeatures(64, bad=order[4:8] if rank == 1 else ()),
+                   loss_fn=CountedLoss(2, torch.OutOfMemoryError("CUDA out of memory") if rank == 0 else None),
+                   collate_fn=with_count(torch.tensor)).train()
+        return "completed"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_a_rank_whose_batch_failed_to_load_stops_with_the_others_when_the_retry_cannot_split(tmp_path):
+    """Rank 0 runs out of memory at step 2, whose batch failed to load on rank 1: with nothing to split, rank 1
+    went on into the step alone and failed on a closed connection that named no cause (from a review)."""
+    for r in spawn(_out_of_memory_beside_a_failed_batch, 2, str(tmp_path), timeout=90):
+        assert r.startswith("StepFailed: step 2: out of memory, and its micro-batches cannot be split"), r
 
 
 def _error_beside_a_batch_count(rank, world_size, root):

@@ -564,6 +564,14 @@ def test_unknown_config_key_names_the_key(tmp_path):
         TrainConfig.from_dict({"lr_schedule": "linear"})
 
 
+def test_datasets_without_a_model_are_refused_not_dropped(tmp_path):
+    """With no model the trainer builds its own LM and data: a dataset passed alone was silently not trained on."""
+    data = _markov(QUICK)
+    with pytest.raises(ValueError, match=r"train_dataset, test_dataset given without a model: .* pass model= to train"):
+        DDPTrainer(config={**QUICK, **dirs(tmp_path)}, train_dataset=data.train, test_dataset=data.val)
+    assert not (tmp_path / "logs" / "metrics.jsonl").exists()
+
+
 def test_config_values_are_read_as_their_flags_are():
     """YAML reads 3e-4 as a string (no dot): it must still be a number, and a wrong type an error naming the key
     at set-up, not a TypeError mid-run."""
