@@ -118,6 +118,7 @@ HELP = {
     "save_every_iters": "steps between <prefix>_step_N.pt and a resumable state; 0 = off",
     "resume": "auto: the newest state in checkpoint_dir that loads | none | PATH of a state",
     "keep_states": "resumable states kept, newest first; 0 = all",
+    "keep_checkpoints": "<prefix>_step_N.pt files kept, newest first, and as many <prefix>_epoch_N.pt; 0 = all",
     "async_checkpoint": "rank 0 writes checkpoints on a background thread from a host copy",
     "max_errors_per_epoch": "batches that may fail to load per epoch before the run stops",
     "max_bad_steps": "the run stops at this many skipped steps in a row (non-finite, or nothing counted)",
@@ -189,6 +190,7 @@ class TrainConfig:
     save_every_iters: int = 0
     resume: str = "auto"
     keep_states: int = 2
+    keep_checkpoints: int = 0
     async_checkpoint: bool = True
     # faults
     max_errors_per_epoch: int = 5
@@ -221,7 +223,7 @@ class TrainConfig:
             if getattr(self, key) < 1:
                 raise ValueError(f"config key {key!r} must be >= 1, got {getattr(self, key)}")
         for key in ("num_epochs", "max_steps", "warmup_steps", "num_workers", "val_interval", "patience",
-                    "save_interval", "save_every_iters", "keep_states", "memory_check_interval", "cleanup_interval",
+                    "save_interval", "save_every_iters", "keep_states", "keep_checkpoints", "memory_check_interval", "cleanup_interval",
                     "max_errors_per_epoch", "weight_decay", "grad_clip", "min_delta", "first_step_timeout"):
             if getattr(self, key) < 0:
                 raise ValueError(f"config key {key!r} must be >= 0, got {getattr(self, key)}")
@@ -1685,11 +1687,11 @@ class DDPTrainer:
             payload["val_loss"] = self.last_val
         return payload
 
-    def save_checkpoint(self, tag: str) -> Path:
+    def save_checkpoint(self, tag: str, then=None) -> Path:
         """Rank 0 writes the checkpoint payload atomically, in the background unless async_checkpoint
-        is off; a failed write is an error on every rank."""
+        is off, then calls `then()`; a failed write is an error on every rank."""
         path, payload = self.checkpoint_path(tag), self.checkpoint_payload()
-        self.writer.save(payload, path, group=self.global_step, again=True)
+        self.writer.save(payload, path, group=self.global_step, then=then, again=True)
         if self.env.is_main:
             self.log.info("%s checkpoint %s (step %d%s)", self._saved(), path, self.global_step,
                           f", val_loss {payload['val_loss']:.6f}" if "val_loss" in payload else "")
@@ -1701,6 +1703,19 @@ class DDPTrainer:
         """How a save is logged: with the background writer the file is not on disk yet when the loop goes on."""
         return "writing (in the background)" if self.writer.background else "saved"
 
+    def weights_files(self, kind: str) -> list:
+        """The <prefix>_<kind>_N.pt files (kind: step or epoch) in the checkpoint dir, oldest first."""
+        return [p for _, p in self._numbered(kind)]
+
+    def _numbered(self, kind: str) -> list:
+        """(N, path) of every <prefix>_<kind>_N.pt in the checkpoint dir, by N."""
+        found = []
+        for p in self.ckpt_dir.glob(f"{self.cfg.checkpoint_prefix}_{kind}_*.pt"):
+            tail = p.stem.rsplit("_", 1)[-1]
+            if tail.isdigit():
+                found.append((int(tail), p))
+        return sorted(found)
+
     def state_path(self, step: int) -> Path:
         return self.ckpt_dir / f"{self.cfg.checkpoint_prefix}_state_step_{step}.pt"
 
@@ -1710,12 +1725,7 @@ class DDPTrainer:
 
     def _states_by_step(self) -> list:
         """(step, path) of every resumable state in the checkpoint dir, oldest first."""
-        found = []
-        for p in self.ckpt_dir.glob(f"{self.cfg.checkpoint_prefix}_state_step_*.pt"):
-            tail = p.stem.rsplit("_", 1)[-1]
-            if tail.isdigit():
-                found.append((int(tail), p))
-        return sorted(found)
+        return self._numbered("state_step")
 
     def state_payload(self) -> dict:
         """Everything needed to continue bit-exactly: weights, optimizer, schedule, scaler,
@@ -2281,8 +2291,10 @@ class DDPTrainer:
         return "early_stopped" if stop else None
 
     def _save_weights_file(self, tag: str) -> None:
-        """A step or epoch file; noted, so that a validation later at this step writes it again with its loss."""
-        self.save_checkpoint(tag)
+        """A step or epoch file (`step_N`, `epoch_N`), then the oldest of its kind beyond keep_checkpoints go;
+        noted, so that a validation later at this step writes it again with its loss."""
+        kind = tag.split("_")[0]
+        self.save_checkpoint(tag, then=lambda: rt.keep_newest(self.weights_files(kind), self.cfg.keep_checkpoints))
         step, tags = self.unvalidated_files
         self.unvalidated_files = (self.global_step, (tags if step == self.global_step else []) + [tag])
 
@@ -2506,7 +2518,8 @@ class DDPTrainer:
 ALIASES = {"batch_size": ["--batch-size"], "num_epochs": ["--epochs"], "learning_rate": ["--lr"],
            "dist_backend": ["--dist-backend"], "dist_timeout": ["--dist-timeout"],
            "grad_accum_steps": ["--grad-accum-steps"], "save_every_iters": ["--save-every-iters"],
-           "max_steps": ["--max-steps"], "log_dir": ["--log-dir"], "checkpoint_dir": ["--checkpoint-dir"]}
+           "max_steps": ["--max-steps"], "log_dir": ["--log-dir"], "checkpoint_dir": ["--checkpoint-dir"],
+           "run_name": ["--run-name"]}
 
 
 def parse_bool(text: str) -> bool:
@@ -2577,16 +2590,21 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu", action="store_true", help="train on the CPU with gloo")
     p.add_argument("--test", action="store_true", help="quick run: tiny model, 60 steps, in runs/lm_test")
     p.add_argument("--nproc", type=int, default=1, help="spawn N local processes (no torchrun needed)")
-    hints = typing.get_type_hints(TrainConfig)
-    for f in dataclasses.fields(TrainConfig):
-        flags = [f"--{f.name}"] + ALIASES.get(f.name, [])
-        # a bare --debug means true
-        switch = dict(nargs="?", const=True) if hints[f.name] in (bool, Optional[bool]) else {}
-        choices = [c for c in CHOICES.get(f.name, ()) if c is not None] or None
-        p.add_argument(*flags, dest=f.name, type=_field_parser(hints[f.name], f.name), default=argparse.SUPPRESS,
-                       metavar="{" + ",".join(choices) + "}" if choices else f.name.upper(),
-                       help=f"{HELP[f.name]} (default: {'auto' if f.name in AUTO_KEYS else f.default})", **switch)
+    add_config_flags(p, [f.name for f in dataclasses.fields(TrainConfig)], argparse.SUPPRESS)
     return p
+
+
+def add_config_flags(parser: argparse.ArgumentParser, keys: list, unset) -> None:
+    """A flag --<key> for each TrainConfig key, read as the key is typed; `unset` is the value of a flag not
+    given (argparse.SUPPRESS: absent from the namespace)."""
+    hints, defaults = typing.get_type_hints(TrainConfig), {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    for key in keys:
+        # a bare --debug means true
+        switch = dict(nargs="?", const=True) if hints[key] in (bool, Optional[bool]) else {}
+        choices = [c for c in CHOICES.get(key, ()) if c is not None] or None
+        parser.add_argument(f"--{key}", *ALIASES.get(key, []), dest=key, type=_field_parser(hints[key], key),
+                            default=unset, metavar="{" + ",".join(choices) + "}" if choices else key.upper(),
+                            help=f"{HELP[key]} (default: {'auto' if key in AUTO_KEYS else defaults[key]})", **switch)
 
 
 def config_from_args(args: argparse.Namespace) -> dict:

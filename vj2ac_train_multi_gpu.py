@@ -42,8 +42,8 @@ from torch.utils.data import Dataset
 
 import config
 import ddp_runtime as rt
-from ddp_training import (MAX_TIMEOUT_S, BadInput, DataMismatch, DDPTrainer, RunDirInUse, evaluate_model,
-                          load_yaml_mapping, train_preemptible)
+from ddp_training import (MAX_TIMEOUT_S, BadInput, DataMismatch, DDPTrainer, RunDirInUse, TrainConfig,
+                          add_config_flags, evaluate_model, load_yaml_mapping, train_preemptible)
 from vj2_dataloader import VJ2TrajectoryDataset, data_fingerprint, list_files
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -309,8 +309,8 @@ def build_parser():
     p.add_argument("--run_name", "--run-name", default="vj2ac",
                    help="names the default checkpoint dir, checkpoints/<run_name>; relaunching the same run "
                         "resumes it" + d)
-    p.add_argument("--checkpoint_dir", help="default: checkpoints/<run_name>")
-    p.add_argument("--log_dir", help="rank_N.log and metrics.jsonl; default: the checkpoint dir")
+    p.add_argument("--checkpoint_dir", "--checkpoint-dir", help="default: checkpoints/<run_name>")
+    p.add_argument("--log_dir", "--log-dir", help="rank_N.log and metrics.jsonl; default: the checkpoint dir")
     p.add_argument("--rollout_horizon", type=int,
                    help=f"autoregressive steps in the rollout loss; needs T-1 >= it "
                         f"(default: {config.ROLLOUT_HORIZON}; with --evaluate, the checkpoint's)")
@@ -318,7 +318,7 @@ def build_parser():
     p.add_argument("--weight_decay", type=float, default=0.04, help=d)
     p.add_argument("--warmup_steps", type=int, default=5, help=d)
     p.add_argument("--grad_accum_steps", type=int, default=1, help="micro-steps per optimizer step" + d)
-    p.add_argument("--max_steps", type=int, default=0, help="optimizer steps; 0 = --num_epochs worth")
+    p.add_argument("--max_steps", "--max-steps", type=int, default=0, help="optimizer steps; 0 = --num_epochs worth")
     p.add_argument("--val_every_iters", type=int, default=100, help="0 = at the end of every epoch" + d)
     p.add_argument("--preset", choices=sorted(config.PREDICTOR_PRESETS), default=config.DEFAULT_PREDICTOR_PRESET,
                    help=f"predictor size: {config.PREDICTOR_PRESETS}" + d)
@@ -337,7 +337,15 @@ def build_parser():
                    help="seconds a collective may wait" + d)
     p.add_argument("--debug", action="store_true", help="debug logs on every rank")
     p.add_argument("--test", action="store_true", help=f"quick run: {TEST_DEFAULTS}")
+    add_config_flags(p.add_argument_group("DDPTrainer settings, as in ddp_training.py"), TRAINER_FLAGS, None)
     return p
+
+
+# DDPTrainer's settings that this script passes on as they are (unset: the trainer's default)
+TRAINER_FLAGS = ("grad_clip", "lr_schedule", "min_lr_ratio", "amp_dtype", "compile", "static_graph", "bucket_cap_mb",
+                 "pin_memory", "first_step_timeout", "patience", "min_delta", "target_loss", "keep_states",
+                 "keep_checkpoints", "async_checkpoint", "log_interval", "tensorboard", "memory_check_interval",
+                 "max_memory_gb", "max_errors_per_epoch", "max_bad_steps")
 
 
 # Flags of one launch, not of the run: not in the run dir's config.yaml, and not taken from a --config file
@@ -402,6 +410,10 @@ def parse_args(argv=None):
         parser.error(f"--predictor_dim {args.predictor_dim} must be divisible by --num_heads {args.num_heads}")
     if (why := rt.bad_run_name(args.run_name)) is not None:
         parser.error(f"--run_name {why} (--checkpoint_dir, --log_dir)")
+    try:  # the trainer's own checks of what the flags pass on (--keep_states -1), before any process starts
+        TrainConfig.from_dict(train_config(args))
+    except ValueError as exc:
+        parser.error(str(exc).replace("config key '", "--").replace("' ", " ", 1))
     args.run_config = run_config
     return args
 
@@ -443,14 +455,14 @@ def flag_value(parser, action, where, value):
     expected = getattr(action.type, "__name__", "str")
     if isinstance(value, (dict, list)):
         parser.error(f"{where} must be a single value, got a {type(value).__name__}")
-    if action.nargs == 0:  # a switch (store_true)
-        if not isinstance(value, bool):
-            parser.error(f"{where} must be true or false, got {value!r}")
-        return value
     if value is None:
         if action.default is not None:
             parser.error(f"{where} must not be null (default {action.default!r})")
         return None
+    if action.nargs == 0 or action.const is True:  # a switch (store_true, or a trainer's --compile [true|false])
+        if not isinstance(value, bool):
+            parser.error(f"{where} must be true or false, got {value!r}")
+        return value
     if isinstance(value, bool):  # YAML's true/false for a number or a path
         parser.error(f"{where} expects {expected}, got {value!r}")
     try:
@@ -474,7 +486,8 @@ def train_config(args):
                 val_interval=args.val_every_iters, seed=args.seed, resume=args.resume,
                 dist_timeout=args.dist_timeout, debug=args.debug, grad_accum_steps=args.grad_accum_steps,
                 weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, checkpoint_prefix="vjepa2",
-                use_amp=not args.no_amp, loader_timeout=args.loader_timeout)
+                use_amp=not args.no_amp, loader_timeout=args.loader_timeout,
+                **{k: getattr(args, k) for k in TRAINER_FLAGS if getattr(args, k) is not None})
 
 # -----------------------------------------------------------------------------------------------------------------
 # training and evaluation

@@ -350,12 +350,20 @@ def test_a_resumed_optimizer_keeps_this_devices_kernels(tmp_path, no_launch_env)
     assert t.train()["steps"] == 8
 
 
-@pytest.mark.parametrize("keep,kept", [(2, [15, 20]), (0, [5, 10, 15, 20])])  # 0: all of them
-def test_only_the_newest_states_are_kept(tmp_path, no_launch_env, keep, kept):
-    DDPTrainer(config=cfg_for(tmp_path, keep_states=keep)).train()
-    states = sorted(int(p.name[len("model_state_step_"):-3]) for p in (tmp_path / "ckpt").glob("model_state_step_*.pt"))
-    assert states == kept
-    assert all((tmp_path / "ckpt" / f"model_state_step_{s}.pt.sha256").exists() for s in kept)
+def numbered(root: Path, kind: str) -> list:
+    return sorted(int(p.stem.rsplit("_", 1)[1]) for p in (root / "ckpt").glob(f"model_{kind}_*.pt"))
+
+
+@pytest.mark.parametrize("keep,kept", [(1, [20]), (2, [15, 20]), (0, [5, 10, 15, 20])])  # 0: all of them
+def test_only_the_newest_states_and_weights_files_are_kept(tmp_path, no_launch_env, keep, kept):
+    """keep_states for the resumable states; keep_checkpoints for the step and the epoch weights files, which
+    at 1.2 GB each (the VJ2 preset, every 500 steps by default) filled a disk over a long run."""
+    DDPTrainer(config=cfg_for(tmp_path, keep_states=keep, keep_checkpoints=keep, save_interval=1)).train()
+    states = sorted(kept + [8, 16])  # the ends of the epochs (8 steps each) save a state too
+    assert numbered(tmp_path, "state_step") == states[-keep:] and numbered(tmp_path, "step") == kept
+    assert numbered(tmp_path, "epoch") == [1, 2][-keep:]
+    assert all((tmp_path / "ckpt" / f"model_state_step_{s}.pt.sha256").exists() for s in states[-keep:])
+    assert (tmp_path / "ckpt" / "model_best.pt").exists() and (tmp_path / "ckpt" / "model_final.pt").exists()
 
 
 def test_corrupt_newest_state_falls_back_to_the_previous(tmp_path, no_launch_env, reference_1, caplog):

@@ -164,6 +164,12 @@ def test_cli_presets_test_mode_and_trainer_config(no_launch_env):
     assert vj2.train_config(vj2.parse_args(data))["checkpoint_dir"] == "checkpoints/vj2ac"
     assert vj2.train_config(vj2.parse_args(data + ["--run-name", "b"]))["checkpoint_dir"] == "checkpoints/b"
     assert vj2.train_config(vj2.parse_args(data + ["--loader_timeout", "7"]))["loader_timeout"] == 7.0
+    # DDPTrainer's own settings pass through as they are; unset, the trainer's defaults hold
+    cfg = vj2.train_config(vj2.parse_args(data + ["--grad_clip", "0.5", "--lr_schedule", "constant", "--compile",
+                                                  "--async_checkpoint", "false", "--static_graph", "auto"]))
+    assert (cfg["grad_clip"], cfg["lr_schedule"], cfg["compile"], cfg["async_checkpoint"]) == (0.5, "constant", True,
+                                                                                              False)
+    assert not {"static_graph", "patience", "keep_checkpoints"} & set(cfg)
 
 
 def test_a_config_file_is_read_like_the_flags_and_a_run_records_one(tmp_path, capsys):
@@ -172,9 +178,10 @@ def test_a_config_file_is_read_like_the_flags_and_a_run_records_one(tmp_path, ca
     import yaml
     path = tmp_path / "c.yaml"
     path.write_text("processed_data_dir: t\nvalidation_data_dir: v\nbatch_size: 8\nlr: 3e-4\nskip_bad_files: true\n"
-                    "checkpoint_dir: ck/a\nrun_name: a\n")
+                    "checkpoint_dir: ck/a\nrun_name: a\ncompile: true\npatience: null\n")
     args = vj2.parse_args(["--config", str(path), "--batch_size", "6"])
     assert (args.batch_size, args.lr, args.skip_bad_files, args.checkpoint_dir) == (6, 3e-4, True, "ck/a")
+    assert (args.compile, args.patience) == (True, None)
     assert vj2.parse_args(["--config", str(path), "--test"]).max_steps == vj2.TEST_DEFAULTS["max_steps"]
     # what the run records loads back to the same flags; the launch's own (--resume none) are not kept
     args = vj2.parse_args(["--config", str(path), "--resume", "none", "--seed", "3"])
@@ -191,6 +198,7 @@ def test_a_config_file_is_read_like_the_flags_and_a_run_records_one(tmp_path, ca
     assert vj2.parse_args(["--config", str(path), "--run_name", "a"]).checkpoint_dir == "ck/a"
     for text, message in [("bogus: 1\n", "unknown key 'bogus'"), ("batch_size: 2.5\n", "key 'batch_size' expects int"),
                           ("skip_bad_files: 1\n", "key 'skip_bad_files' must be true or false, got 1"),
+                          ("compile: 1\n", "key 'compile' must be true or false, got 1"),
                           ("batch_size: null\n", "key 'batch_size' must not be null"),
                           ("preset: huge\n", "key 'preset' must be one of"), ("depth: [1]\n", "a single value"),
                           ("evaluate: x.pt\n", "unknown key 'evaluate'"), ("- 1\n", "expected a flat mapping")]:
@@ -233,6 +241,10 @@ def test_a_config_file_is_read_like_the_flags_and_a_run_records_one(tmp_path, ca
      "unrecognized arguments: --save_every"),
     (["--processed_data_dir", "t", "--validation_data_dir", "v", "--run_name", "../up"],
      "--run_name must be names of letters, digits"),
+    (["--processed_data_dir", "t", "--validation_data_dir", "v", "--keep_checkpoints", "-1"],
+     "--keep_checkpoints must be >= 0, got -1"),
+    (["--processed_data_dir", "t", "--validation_data_dir", "v", "--min_lr_ratio", "1.5"],
+     "--min_lr_ratio must be in [0, 1], got 1.5"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -254,14 +266,16 @@ def test_float_flags_must_be_finite(flag, value, capsys):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """One 2-rank gloo run: 600 training trajectories, 16 per rank per step, 10 epochs = 180 steps."""
+    """One 2-rank gloo run: 600 training trajectories, 16 per rank per step, 10 epochs = 180 steps; the two newest
+    step and epoch weights files kept (a DDPTrainer setting the script passes on)."""
     root = tmp_path_factory.mktemp("vj2_trained")
     make_vj2_data(root, 2, 300, 50)
     t0 = time.time()
     r = run(torchrun(2, SCRIPT, "--device", "cpu", "--dist-backend", "gloo", "--processed_data_dir", root / "train",
                      "--validation_data_dir", root / "val", "--num_epochs", "10", "--batch_size", "16",
                      "--save_every_iters", "50", "--val_every_iters", "25", "--save_every_epochs", "3",
-                     "--checkpoint_dir", root / "ckpt", "--log_dir", root / "logs"), cwd=root, timeout=240)
+                     "--keep_checkpoints", "2", "--checkpoint_dir", root / "ckpt", "--log_dir", root / "logs"),
+            cwd=root, timeout=240)
     assert r.returncode == 0, r.stdout[-6000:]
     return dict(root=root, out=r.stdout, wall=time.time() - t0, records=metrics(root / "logs"))
 
@@ -301,6 +315,7 @@ def test_two_rank_training_learns_the_dynamics(trained):
     saved = yaml.safe_load((trained["root"] / "logs" / "config.yaml").read_text())
     assert (saved["processed_data_dir"], saved["batch_size"], saved["val_every_iters"], saved["preset"]) == (
         str(trained["root"] / "train"), 16, 25, "small") and "vocab_size" not in saved
+    assert saved["keep_checkpoints"] == 2 and saved["grad_clip"] is None  # unset: the trainer's default
 
 
 @pytest.mark.multi
@@ -332,12 +347,14 @@ def test_checkpoints_names_cadence_and_contents(trained):
     ckpt_dir = trained["root"] / "ckpt"
     names = {p.name for p in ckpt_dir.iterdir() if WEIGHTS_FILE.match(p.name)}
     # 18 steps per epoch (300 trajectories per rank // 16), 180 steps
-    assert names == {"vjepa2_best.pt", "vjepa2_final.pt", "vjepa2_step_50.pt", "vjepa2_step_100.pt",
-                     "vjepa2_step_150.pt", "vjepa2_epoch_3.pt", "vjepa2_epoch_6.pt", "vjepa2_epoch_9.pt"}
+    # steps 50 and epoch 3 were written, then pruned by --keep_checkpoints 2
+    assert names == {"vjepa2_best.pt", "vjepa2_final.pt", "vjepa2_step_100.pt", "vjepa2_step_150.pt",
+                     "vjepa2_epoch_6.pt", "vjepa2_epoch_9.pt"}
+    log = (trained["root"] / "logs" / "rank_0.log").read_text()
+    assert "vjepa2_step_50.pt (step 50" in log and "vjepa2_epoch_3.pt (step 54" in log
     vals = {r["step"]: r["val_loss"] for r in trained["records"] if r["type"] == "val"}
     best_step = min(vals, key=vals.get)
-    steps = {"final": 180, "best": best_step, "step_50": 50, "step_100": 100, "step_150": 150,
-             "epoch_3": 54, "epoch_6": 108, "epoch_9": 162}
+    steps = {"final": 180, "best": best_step, "step_100": 100, "step_150": 150, "epoch_6": 108, "epoch_9": 162}
     for tag, step in steps.items():
         ckpt = torch.load(ckpt_dir / f"vjepa2_{tag}.pt", weights_only=True)
         # weights, step, the predictor's shape and loss, and the val loss of these very weights (validations
