@@ -1194,6 +1194,8 @@ SET_BY_THE_BENCHMARK = {"batch_size", "dataset_size", "max_steps", "num_epochs",
 
 def check_args(parser, args) -> None:
     """Bad settings refused before any run, as flag errors (exit 2), not as a traceback minutes later."""
+    if getattr(args, "device", None) == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but torch sees no CUDA device")
     try:
         changed = parse_settings(getattr(args, "trainer_set", []))
     except ValueError as exc:

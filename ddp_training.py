@@ -1030,7 +1030,7 @@ class DDPTrainer:
             whose = ("this process: another DDPTrainer on these dirs has not finished train(); call its close() "
                      "or drop it" if holder.startswith(rt.RunDirLock.this_process()) else
                      "another run (or the ranks of one whose launcher was killed); stop it, or give this run "
-                     "another run_name")
+                     "another --run_name")
             launch = rt.detect_launch_env()
             if launch["world_size"] != env.world_size:
                 whose += (f" (the launcher says this process is rank {launch['rank']} of {launch['world_size']}, "
@@ -1112,7 +1112,21 @@ class DDPTrainer:
                       self.total_steps, self.steps_per_epoch,
                       cfg.batch_size * cfg.grad_accum_steps * env.world_size,
                       cfg.batch_size, cfg.grad_accum_steps, env.world_size)
+        self._log_precision_and_schedule()
         self.resumed_from = self._resume()  # last: it restores the RNG streams set-up consumed
+
+    def _log_precision_and_schedule(self) -> None:
+        """What amp and the schedule settings come to here: amp_dtype fp16 on the CPU, say, is full precision."""
+        cfg = self.cfg
+        precision = {None: "fp32", torch.bfloat16: "bf16 autocast",
+                     torch.float16: "fp16 autocast with a GradScaler"}[self.amp_dtype]
+        if self.amp_dtype is None and cfg.use_amp and self.env.device.type == "cpu":
+            precision += " (on the CPU only amp_dtype bf16 autocasts)"
+        self.log.info("precision: %s; learning rate %g, %d warm-up steps, then %s to %g x", precision,
+                      cfg.learning_rate, cfg.warmup_steps, cfg.lr_schedule, cfg.min_lr_ratio)
+        if cfg.warmup_steps >= self.total_steps:
+            self.log.warning("warmup_steps=%d is not below the run's %d steps: the learning rate never gets past its "
+                             "warm-up", cfg.warmup_steps, self.total_steps)
 
     def _check_ranks_have_the_same_data(self, train_dataset, val_dataset, test_dataset) -> None:
         """Each rank reads its own copy of the data (a node-local copy, a file skipped as bad on one rank only,
@@ -1762,8 +1776,8 @@ class DDPTrainer:
             ours = first_kind_fingerprint(self.train_dataset)
         if saved != ours:
             raise StateMismatch(f"{path} was written while training on other data (fingerprint {saved}, this run's "
-                                f"{ours}); resuming it is refused (resume none or another "
-                                f"run_name starts fresh; or use the original data settings)")
+                                f"{ours}); resuming it is refused (--resume none or another "
+                                f"--run_name starts fresh; or use the original data settings)")
 
     def _seeded_samples(self) -> bool:
         """Whether loader workers read the samples, each under a seed of its own (see rt.build_dataloader)."""
@@ -1821,7 +1835,7 @@ class DDPTrainer:
                 self.log.warning("cannot resume from %s (%s); trying the previous state", path, exc)
         if chosen is None and candidates and error is None:  # starting fresh would overwrite the run's weights
             error = ("unreadable", f"none of the {len(candidates)} resumable states in {self.ckpt_dir} loads (see "
-                                   f"the warnings above); resume none or another run_name starts fresh")
+                                   f"the warnings above); --resume none or another --run_name starts fresh")
         everyone = rt.gather_objects((None if chosen is None else str(chosen), error))
         distinct = {e for _, e in everyone if e}
         if distinct:  # usually the same error on every rank; otherwise say which rank saw what
@@ -1876,7 +1890,7 @@ class DDPTrainer:
         for key, was, value in checks:
             if was != value:
                 raise StateMismatch(f"{path} was written with {key}={was}, this run has {key}={value}; resuming "
-                                    f"with a different {key} is refused (resume none or another run_name starts "
+                                    f"with a different {key} is refused (--resume none or another --run_name starts "
                                     f"fresh; or use the original setting)")
         self._check_data_fingerprint(state.get("data_fingerprint", "absent"), path)
         saved = state.get("seeded_samples")  # absent from states written before 25 Nov 2026
@@ -1892,7 +1906,7 @@ class DDPTrainer:
                 raise
             lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
             raise StateMismatch(f"{path} holds another model ({lines[1] if len(lines) > 1 else lines[0]} ...); "
-                                f"resuming it is refused (resume none or another run_name starts fresh; or use "
+                                f"resuming it is refused (--resume none or another --run_name starts fresh; or use "
                                 f"the original model settings)") from exc
         # this device's kernels, not the saving one's (a CPU state resumed on a GPU runs fused); before the load,
         # which places each moment's step counter by them (a fused kernel takes them on the GPU)
@@ -2117,8 +2131,8 @@ class DDPTrainer:
         return {key: getattr(self.cfg, key) for key in ("patience", "min_delta", "target_loss")}
 
     def _nothing_to_do(self, summary: dict) -> dict:
-        self.log.info("this run already finished (%s at step %d, see %s): nothing to do; resume none or another "
-                      "run_name starts a new one", summary["status"], summary["steps"],
+        self.log.info("this run already finished (%s at step %d, see %s): nothing to do; --resume none or another "
+                      "--run_name starts a new one", summary["status"], summary["steps"],
                       Path(self.cfg.log_dir) / COMPLETED_MARKER)
         # rewritten with this launch's id (launch_training.sh): a stop that comes now finds the run complete
         rt.run_on_rank0(self._write_completed_marker, summary, what="writing the COMPLETED marker")

@@ -46,6 +46,9 @@ them, and would die without a save. A stop before torchrun starts (while the GPU
 nothing ran. Workers get TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default here 300, torchrun's own default
 is 30) to finish before torchrun kills them.
 
+Environment: PYTHON (default python3) counts the GPUs where nvidia-smi cannot and, with no torchrun on
+PATH, runs torch.distributed.run: with a virtual environment that is not activated, PYTHON=.venv/bin/python.
+
 Exit status: 0 the run finished; 75 the run was stopped by a signal and left a PREEMPTED marker in its log
 dir (relaunch the same command to resume); 2 bad arguments, to this script or to the training script (a flag,
 a file, a refused state); otherwise torchrun's status.
@@ -98,7 +101,7 @@ while [[ $# -gt 0 ]]; do
         --max-restarts)      need "$@"; max_restarts="$2"; shift 2 ;;
         -h|--help)           usage; exit 0 ;;
         --)                  shift; script_args=("$@"); break ;;
-        *)                   die "unknown option '$1' (see --help)" ;;
+        *)                   die "unknown option '$1' (see --help; the training script's flags go after --)" ;;
     esac
 done
 
@@ -261,8 +264,11 @@ args+=("${script_args[@]+"${script_args[@]}"}")
 
 if command -v torchrun >/dev/null 2>&1; then
     launcher=(torchrun)
-else
+elif "$python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)' 2>/dev/null; then
     launcher=("$python" -m torch.distributed.run)
+else  # typically a virtual environment that is not activated
+    die "no torchrun on PATH, and $python cannot import torch: activate the environment that has torch," \
+        "or set PYTHON=/path/to/its/python"
 fi
 if (( nnodes == 1 )); then
     launcher+=(--standalone)

@@ -7,6 +7,7 @@ import math
 import sys
 
 import pytest
+import torch
 
 from conftest import REPO, run
 
@@ -210,6 +211,15 @@ def test_bad_arguments_are_refused_before_any_run(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
         benchmark.main(argv)
     assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("command", ["overhead", "loader", "checkpoint"])
+def test_cuda_without_a_gpu_is_a_flag_error(command, capsys):
+    import benchmark
+    with pytest.raises(SystemExit) as stop:
+        benchmark.main([command, "--device", "cuda"])
+    assert stop.value.code == 2 and "--device cuda, but torch sees no CUDA device" in capsys.readouterr().err
 
 
 def test_a_relative_dir_is_taken_from_where_the_command_runs(tmp_path, monkeypatch):

@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 import types
 from pathlib import Path
@@ -562,6 +563,36 @@ def test_unknown_config_key_names_the_key(tmp_path):
         DDPTrainer(rank=1, config={"batch_size": 4})
     with pytest.raises(ValueError, match="'lr_schedule' must be one of"):
         TrainConfig.from_dict({"lr_schedule": "linear"})
+
+
+def test_the_log_says_what_precision_and_schedule_a_run_gets(tmp_path, no_launch_env):
+    """amp_dtype fp16 on the CPU trains in fp32 (documented, but nowhere to be seen), and a warm-up as long as
+    the run never reaches the peak rate (from a README walk-through)."""
+    trainer = DDPTrainer(config={**QUICK, **dirs(tmp_path), "amp_dtype": "fp16", "max_steps": 5, "warmup_steps": 5,
+                                 "lr_schedule": "wsd"})
+    trainer.close()
+    log = (tmp_path / "logs" / "rank_0.log").read_text()
+    assert "precision: fp32 (on the CPU only amp_dtype bf16 autocasts); learning rate 0.01, 5 warm-up steps, " \
+           "then wsd to 0.1 x" in log, log
+    assert "warmup_steps=5 is not below the run's 5 steps" in log
+    trainer = DDPTrainer(config={**QUICK, **dirs(tmp_path / "b"), "amp_dtype": "bf16", "max_steps": 6})
+    trainer.close()
+    log = (tmp_path / "b" / "logs" / "rank_0.log").read_text()
+    assert "precision: bf16 autocast; learning rate 0.01, 5 warm-up steps, then cosine to 0.1 x" in log
+    assert "not below the run's" not in log
+
+
+def test_the_readme_snippet_rebuilds_the_lm_from_its_final_weights(tmp_path, no_launch_env):
+    text = (REPO / "README.md").read_text()
+    snippet = next(block for block in re.findall(r"```python\n(.*?)```", text, re.S) if "CausalLM(**" in block)
+    DDPTrainer(config={**QUICK, **dirs(tmp_path), "max_steps": 3}).train()
+    final = tmp_path / "ckpt" / "model_final.pt"
+    names = {"__name__": "readme"}
+    exec(textwrap.dedent(snippet).replace("runs/lm/checkpoints/model_final.pt", str(final)), names)
+    tokens = torch.randint(0, 64, (2, 8))  # the synthetic data's vocabulary
+    trained = torch.load(final, weights_only=True)["model"]
+    assert all(torch.equal(v, trained[k]) for k, v in names["model"].state_dict().items())
+    assert names["model"](tokens).shape == (2, 8, 64)
 
 
 def test_datasets_without_a_model_are_refused_not_dropped(tmp_path):
@@ -1111,7 +1142,7 @@ def test_launcher_syntax_help_and_errors(tmp_path):
     launcher = ["bash", REPO / "launch_training.sh"]
     r = run(launcher + ["--help"], cwd=tmp_path, env=env)
     assert r.returncode == 0 and "--max-restarts" in r.stdout
-    for argv, message in [(["--bogus"], "unknown option '--bogus'"),
+    for argv, message in [(["--bogus"], "unknown option '--bogus' (see --help; the training script's flags go after --)"),
                           (["--gpus", "99"], "GPU 99 does not exist"),
                           (["--gpus", "x,0"], "'x' is not a GPU id"),
                           (["--cpu", "--nproc", "two"], "--nproc expects a non-negative integer"),
@@ -1120,6 +1151,12 @@ def test_launcher_syntax_help_and_errors(tmp_path):
                           (["--nnodes", "2"], "needs --master-addr")]:
         r = run(launcher + argv, cwd=REPO, env=env)
         assert r.returncode == 2 and message in r.stdout, (argv, r.stdout)
+    # no torchrun on PATH and a Python without torch (a venv not activated): said before anything starts
+    (tmp_path / "python").write_text("#!/bin/sh\nexit 1\n")
+    (tmp_path / "python").chmod(0o755)
+    r = run(launcher + ["--cpu"], cwd=REPO, env={**env, "PYTHON": str(tmp_path / "python")})
+    assert r.returncode == 2 and f"no torchrun on PATH, and {tmp_path / 'python'} cannot import torch" in r.stdout, \
+        r.stdout
     # Four GPUs on the node, two given to this job: --gpus counts within the two.
     fake = tmp_path / "bin"
     fake.mkdir()
