@@ -64,8 +64,9 @@ class LogError(Exception):
 
 class NoRecords(LogError):
     """A metrics.jsonl with no complete record: a run that has only just started. Listings show it as a
-    row (`status`) instead of failing."""
+    row (`status`, and the `error` it logged if it failed) instead of failing."""
     status = NO_RECORDS
+    error: Optional[str] = None
 
 
 class SetUpFailed(NoRecords):
@@ -99,6 +100,7 @@ class Run:
     earlier_sessions_s: float = 0.0  # the time of every session before the last, added up
     no_records: Optional[str] = None  # why there is nothing to show yet
     status: str = NO_RECORDS  # of a run with no records
+    error: Optional[str] = None  # what a run that failed before its first record logged
 
     def records(self, kind: str) -> list:
         return self.train if kind == "train" else self.val
@@ -279,10 +281,11 @@ def load_run(run_dir, name: Optional[str] = None) -> Run:
         records = read_metrics(path)
     except NoRecords:  # still starting, unless the newest launch logged an error: then it never will train
         error = first_error(log) if log.is_file() else None
-        if error and path.is_file():
-            raise FailedEarly(f"{run_dir}: failed before its first record: {error}") from None
         if error:
-            raise SetUpFailed(f"{run_dir}: failed before its first step: {error}") from None
+            failed = (FailedEarly(f"{run_dir}: failed before its first record: {error}") if path.is_file() else
+                      SetUpFailed(f"{run_dir}: failed before its first step: {error}"))
+            failed.error = error
+            raise failed from None
         raise
     records = last_session(records, path)
     run = Run(name=name or run_dir.resolve().name, path=run_dir)
@@ -357,7 +360,7 @@ def load_runs(dirs=(), root=None) -> list:
         try:
             runs.append(load_run(d, name))
         except NoRecords as exc:
-            runs.append(Run(name=name, path=Path(d), no_records=str(exc), status=exc.status))
+            runs.append(Run(name=name, path=Path(d), no_records=str(exc), status=exc.status, error=exc.error))
         except (LogError, OSError) as exc:
             if d not in found:  # a run named on the command line: its damage is the answer
                 raise
@@ -426,7 +429,8 @@ def summarize(run: Run) -> dict:
     """One run's headline numbers. Without a summary record (still running, or killed) they are rebuilt
     from the train/val records and the status is "incomplete"."""
     if run.no_records:
-        return {**dict.fromkeys(SUMMARY_FIELDS), "name": run.name, "status": run.status}
+        return {**dict.fromkeys(SUMMARY_FIELDS), "name": run.name, "status": run.status,
+                **({"error": run.error} if run.error else {})}
     s = run.summary or {}
     vals = _finite(r.get("val_loss") for r in run.val)
     everything = run.train + run.val + ([s] if s else [])
@@ -493,7 +497,7 @@ def format_summaries(rows: list, fmt: str = "one-line") -> str:
         for r in rows:
             f = {k: _fmt(k, r[k]) for k in SUMMARY_FIELDS}
             if r["status"] in (NO_RECORDS, SET_UP_FAILED, FAILED_EARLY, UNREADABLE):
-                lines.append(f"{f['name']}: {r['status']}")
+                lines.append(f"{f['name']}: {r['status']}" + (f": {r['error']}" if r.get("error") else ""))
                 continue
             lines.append(f"{f['name']}: {f['status']}, {f['steps']} steps, val {f['final_val_loss']} "
                          f"(best {f['best_val_loss']}), test {f['test_loss']}, {f['total_time_s']} s over "
@@ -512,7 +516,8 @@ def format_summaries(rows: list, fmt: str = "one-line") -> str:
             return "| " + " | ".join(v.rjust(w) if num else v.ljust(w)
                                      for v, w, num in zip(vals, widths, numeric)) + " |"
         rule = "|" + "|".join("-" * (w + 1) + ":" if num else "-" * (w + 2) for w, num in zip(widths, numeric)) + "|"
-        return "\n".join([line(SUMMARY_FIELDS), rule] + [line(c) for c in cells])
+        errors = ["", *(f"{r['name']}: {r['error']}" for r in rows if r.get("error"))]  # below: no column for them
+        return "\n".join([line(SUMMARY_FIELDS), rule] + [line(c) for c in cells] + (errors if len(errors) > 1 else []))
     raise ValueError(f"unknown format {fmt!r}")
 
 

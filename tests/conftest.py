@@ -20,6 +20,15 @@ import torch
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
+# A suite started as a background job of a script (`pytest &`) inherits SIGINT and SIGQUIT ignored, and so would
+# every process it starts: bash cannot trap a signal ignored at its start, and the Ctrl-C tests would fail for it.
+# SIGHUP ignored (nohup) is left as it is, on purpose: the one test that needs it skips.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+if signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN:
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+SIGHUP_IGNORED = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))

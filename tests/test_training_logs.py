@@ -613,6 +613,12 @@ def test_a_run_that_failed_in_set_up_says_so_and_why(tmp_path, capsys, no_launch
     assert tl.main(["summary", "--all", str(tmp_path / "runs"), "--format", "json"]) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
     assert rows["a"]["status"] == rows["b"]["status"] == "failed in set-up"
+    assert rows["b"]["error"] == "set-up failed: --processed_data_dir d: no .npz files"  # summary says why too
+    assert tl.main(["summary", str(tmp_path / "runs" / "a")]) == 0
+    assert capsys.readouterr().out == (f"a: failed in set-up: trainer set-up failed: ValueError: --data "
+                                       f"{tmp_path / 'empty.txt'}: the file is empty\n")
+    assert tl.main(["summary", str(tmp_path / "runs" / "b"), "--format", "table"]) == 0
+    assert capsys.readouterr().out.endswith("\n\nb: set-up failed: --processed_data_dir d: no .npz files\n")
     assert tl.main(["plot", "--all", str(tmp_path / "runs"), "--output", str(tmp_path / "x.png")]) == 2
     err = capsys.readouterr().err
     assert f"{tmp_path / 'runs' / 'a'}: failed before its first step: trainer set-up failed: ValueError: --data " \
