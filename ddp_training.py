@@ -39,6 +39,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import typing
@@ -857,9 +858,34 @@ def json_line(record: dict) -> str:
     return json.dumps(json_safe(record), allow_nan=False)
 
 
-def next_batch(batches) -> Any:
+class LoaderStuck(RuntimeError):
+    """No batch within the backstop of next_batch."""
+
+
+@contextlib.contextmanager
+def backstop(seconds: Optional[float]):
+    """LoaderStuck in the main thread after `seconds` (SIGALRM). The DataLoader's own timeout covers the wait
+    for a batch, not the hand-over of its tensors: a worker frozen whole (SIGSTOP, a frozen cgroup) with a
+    batch already queued holds the rank in that hand-over for good, where no signal to stop gets it out."""
+    if seconds is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expired(signum, frame):
+        raise LoaderStuck(f"DataLoader timed out: no batch after {seconds:g} seconds")
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
-        return next(batches)
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def next_batch(batches, backstop_s: Optional[float] = None) -> Any:
+    try:
+        with backstop(backstop_s):
+            return next(batches)
     except (StopIteration, rt.CollectiveFailed):
         raise
     except Exception as exc:  # agreed on in the step, counted or fatal
@@ -872,7 +898,7 @@ def next_batch(batches) -> Any:
                           counted=getattr(exc, "counted", True))
 
 
-def next_micro_batches(batches, n: int) -> list:
+def next_micro_batches(batches, n: int, backstop_s: Optional[float] = None) -> list:
     """A step's n micro-batches. After a fatal loading error (a stuck or dead worker) the rest are that error:
     reading on would wait out loader_timeout again for each, while the other ranks wait in the step."""
     micro = []
@@ -880,7 +906,7 @@ def next_micro_batches(batches, n: int) -> list:
         if micro and isinstance(micro[-1], BatchError) and micro[-1].fatal:
             micro.append(micro[-1])
         else:
-            micro.append(next_batch(batches))
+            micro.append(next_batch(batches, backstop_s))
     return micro
 
 
@@ -1248,6 +1274,9 @@ class DDPTrainer:
                              f"val_dataset)")
         self.test_loader = loader(test_dataset, False) if test_dataset is not None else None
         self.non_blocking = pin
+        # past the DataLoader's own timeout, which answers first when no batch comes at all (see backstop)
+        workers = cfg.data_strategy == "shard" and self.train_loader.num_workers > 0
+        self.loader_backstop_s = 2 * cfg.loader_timeout if workers and cfg.loader_timeout else None
 
     def _count_steps(self) -> None:
         """Steps per epoch and in all; a stream's epoch lasts until it ends, its run until max_steps."""
@@ -2190,7 +2219,7 @@ class DDPTrainer:
         batches = self._epoch_batches()
         for i in range(self.step_in_epoch, self.steps_per_epoch):
             try:
-                micro = next_micro_batches(batches, cfg.grad_accum_steps)
+                micro = next_micro_batches(batches, cfg.grad_accum_steps, self.loader_backstop_s)
             except StopIteration:  # a stream ran dry; dispatch tells every rank at once
                 break
             except rt.CollectiveFailed as exc:  # dispatch: rank 0 is gone or stuck

@@ -7,6 +7,7 @@ import math
 import os
 import re
 import signal
+import socket
 import time
 import weakref
 from pathlib import Path
@@ -340,6 +341,24 @@ def test_a_stuck_worker_is_waited_for_once_per_step_not_once_per_micro_batch():
     loader = Stuck()
     micro = next_micro_batches(loader, 3)
     assert len(micro) == 3 and all(m.fatal and "a worker is stuck" in m.text for m in micro) and loader.reads == 1
+
+
+def test_a_batch_whose_hand_over_hangs_fails_at_the_backstop_instead_of_hanging_for_good():
+    """A worker frozen whole (SIGSTOP) with a batch already queued: the DataLoader's timeout is over once the
+    batch is taken, and the rank then waited in a recvmsg for the worker to hand over a file descriptor, for
+    good (from a review; a 2-rank run under srun, with no agent to kill the rank, hung). The blocking receive
+    here stands in for that hand-over."""
+    class HandOverHangs:
+        def __next__(self):
+            a, b = socket.socketpair()
+            with a, b:
+                return a.recv(1)  # nothing ever comes
+
+    t0 = time.time()
+    (batch,) = next_micro_batches(HandOverHangs(), 1, backstop_s=0.5)
+    assert batch.fatal and "LoaderStuck: DataLoader timed out: no batch after 0.5 seconds" in batch.text
+    assert "a worker is stuck" in batch.text and time.time() - t0 < 5
+    assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
 
 
 def _failing_writes(rank, world_size, root, failing: str, delay: float = 0.0):
