@@ -311,11 +311,12 @@ def val_split(num_files, trajectories_per_file, val_fraction):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
     p.add_argument("--output_dir", required=True, help="directory for the training files")
-    p.add_argument("--num_files", type=int, default=3)
-    p.add_argument("--trajectories_per_file", type=int, default=10)
-    p.add_argument("--seed", type=int, default=0, help="seeds the trajectories (not the encoder)")
+    d = " (default %(default)s)"
+    p.add_argument("--num_files", type=int, default=3, help="files in --output_dir" + d)
+    p.add_argument("--trajectories_per_file", type=int, default=10, help="N of each file" + d)
+    p.add_argument("--seed", type=int, default=0, help="seeds the trajectories (not the encoder)" + d)
     p.add_argument("--world_seed", type=int, default=config.WORLD_SEED,
-                   help="seeds the state -> token encoder; keep it equal for train and val")
+                   help="seeds the state -> token encoder; keep it equal for train and val" + d)
     p.add_argument("--num_steps", type=int, help=f"T (default {config.SMALL_NUM_STEPS})")
     p.add_argument("--patches", type=int, help=f"P (default {config.SMALL_PATCHES_PER_STEP})")
     p.add_argument("--embed_dim", type=int, help=f"D (default {config.SMALL_EMBED_DIM})")
@@ -324,9 +325,9 @@ def parse_args(argv=None):
     p.add_argument("--real_shapes", action="store_true",
                    help=f"real geometry T={config.NUM_STEPS} P={config.PATCHES_PER_STEP} D={config.EMBED_DIM} "
                         f"A={config.ACTIONS_PER_STEP} C={config.ACTION_CHANNELS} (explicit flags still win)")
-    p.add_argument("--dtype", choices=DTYPES, default="float16", help="dtype of embeddings")
+    p.add_argument("--dtype", choices=DTYPES, default="float16", help="dtype of the embeddings (actions are float32)" + d)
     p.add_argument("--compress", action="store_true", help="np.savez_compressed layout (deflate)")
-    p.add_argument("--noise", type=float, default=config.SYNTHETIC_NOISE, help="std of token noise")
+    p.add_argument("--noise", type=float, default=config.SYNTHETIC_NOISE, help="std of token noise" + d)
     p.add_argument("--save_states", action="store_true", help="also store the hidden states (key 'states')")
     p.add_argument("--val_fraction", type=float, default=0.0,
                    help="also write a validation set of this size relative to the training set")
