@@ -1723,8 +1723,9 @@ class CheckpointWriter:
     In the background (the default) the loop waits only for a host copy of the payload: a thread
     writes the copy, in submission order, while training goes on. Payloads saved at one save point
     (`group`, e.g. the step) share their copies while any of them waits to be written; the next save
-    point first waits for the previous one's writes. A copy lives only until it is written: once the
-    queue is empty the writer holds no host memory (with `pin`, the copies of CUDA tensors are
+    point first waits for the previous one's writes. A copy lives only until it is written (or, saved with
+    `again`, until its failed write is written again or replaced): once the queue is empty the writer holds
+    no other host memory (with `pin`, the copies of CUDA tensors are
     page-locked where PIN_MAX_HOST_FRACTION allows, and PyTorch keeps those blocks cached for the next
     save point; if pinning fails, the writer copies to pageable memory from then on). A write that failed
     fails every rank at the next `flush()`, as a synchronous write fails at once; the next save point
@@ -1786,10 +1787,11 @@ class CheckpointWriter:
             self._queue(payload, path, then, again)
         return path
 
-    def write_failed_again(self) -> None:
-        """Queue once more the failed writes that were saved with `again` and not replaced since."""
+    def write_failed_again(self, wanted=lambda path: True) -> None:
+        """Queue once more the failed writes that were saved with `again`, not replaced since, and still
+        `wanted(path)` (a step file that newer ones have made one to prune is not)."""
         with self._lock:
-            jobs, self._failed = list(self._failed.values()), {}
+            jobs, self._failed = [job for job in self._failed.values() if wanted(job[1])], {}
             self._pending += len(jobs)
         for job in jobs:
             self.log.info("writing %s again", job[1])
@@ -1905,6 +1907,8 @@ class CheckpointWriter:
             path = job[1]
             try:
                 self._write(*job[:3])
+                with self._lock:  # written in order: an earlier failure to write this path is superseded
+                    self._failed.pop(path, None)
             except Exception as exc:  # raised in the training thread by flush()
                 # Text only: the exception's traceback holds the payload, which must not outlive the write.
                 text = f"{type(exc).__name__}: {exc}"

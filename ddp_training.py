@@ -1125,6 +1125,7 @@ class DDPTrainer:
         self.state_step: Optional[int] = None  # the step of the newest resumable state this run saved
         # (step, tags) of the step and epoch weights files saved at `step` before its validation, if any
         self.unvalidated_files: tuple = (None, [])
+        self.weights_saved: set = set()  # (kind, N) of the step and epoch files saved (queued) by this session
 
         for name, value in self.FRESH_COUNTERS.items():
             setattr(self, name, value)
@@ -1148,8 +1149,9 @@ class DDPTrainer:
                      torch.float16: "fp16 autocast with a GradScaler"}[self.amp_dtype]
         if self.amp_dtype is None and cfg.use_amp and self.env.device.type == "cpu":
             precision += " (on the CPU only amp_dtype bf16 autocasts)"
-        self.log.info("precision: %s; learning rate %g, %d warm-up steps, then %s to %g x", precision,
-                      cfg.learning_rate, cfg.warmup_steps, cfg.lr_schedule, cfg.min_lr_ratio)
+        decay = "constant" if cfg.lr_schedule == "constant" else f"{cfg.lr_schedule} to {cfg.min_lr_ratio:g} x"
+        self.log.info("precision: %s; learning rate %g, %d warm-up steps, then %s", precision, cfg.learning_rate,
+                      cfg.warmup_steps, decay)
         if cfg.warmup_steps >= self.total_steps:
             self.log.warning("warmup_steps=%d is not below the run's %d steps: the learning rate never gets past its "
                              "warm-up", cfg.warmup_steps, self.total_steps)
@@ -1750,6 +1752,17 @@ class DDPTrainer:
         """The <prefix>_<kind>_N.pt files (kind: step or epoch) in the checkpoint dir, oldest first."""
         return [p for _, p in self._numbered(kind)]
 
+    def _still_kept(self, path: Path) -> bool:
+        """Whether keep_checkpoints keeps this weights file beside the newer ones on disk or saved by this session
+        (a failed step or epoch file they have pushed out is not written again: only to be pruned, on a disk
+        that was just full)."""
+        match = re.fullmatch(rf"{re.escape(self.cfg.checkpoint_prefix)}_(step|epoch)_(\d+)\.pt", path.name)
+        if match is None or not self.cfg.keep_checkpoints:
+            return True
+        kind, n = match[1], int(match[2])
+        newer = {m for m, _ in self._numbered(kind)} | {m for k, m in self.weights_saved if k == kind}
+        return len([m for m in newer if m > n]) < self.cfg.keep_checkpoints
+
     def _numbered(self, kind: str) -> list:
         """(N, path) of every <prefix>_<kind>_N.pt in the checkpoint dir, by N."""
         found = []
@@ -2338,6 +2351,7 @@ class DDPTrainer:
         noted, so that a validation later at this step writes it again with its loss."""
         kind = tag.split("_")[0]
         self.save_checkpoint(tag, then=lambda: rt.keep_newest(self.weights_files(kind), self.cfg.keep_checkpoints))
+        self.weights_saved.add((kind, int(tag.split("_")[1])))
         step, tags = self.unvalidated_files
         self.unvalidated_files = (self.global_step, (tags if step == self.global_step else []) + [tag])
 
@@ -2364,7 +2378,7 @@ class DDPTrainer:
         the next save point would leave two intervals unsaved. If this write fails too, the run stops."""
         if self.state_step != self.global_step:
             self.save_state()  # its flush meets the failed write, if no save point of this step did
-        self.writer.write_failed_again()  # weights files no later save point writes (best, step_N)
+        self.writer.write_failed_again(self._still_kept)  # weights files no later save point writes (best, step_N)
         self.writer.flush()
         self.writer.retry_pending = False
 
@@ -2408,6 +2422,9 @@ class DDPTrainer:
             self.log.error("%s; writing step %d's files again", exc, self.global_step)
             self.save_checkpoint(tag)
             self.state_step = None  # its save point's state may be the write that failed
+            self._save_again_after_a_failed_write()
+            return
+        if self.writer.retry_pending:  # a save point of this step met an earlier failure (the closing validation's)
             self._save_again_after_a_failed_write()
 
     def _after_step(self, r: dict, step_time: float, global_batch: int) -> None:
@@ -2464,12 +2481,15 @@ class DDPTrainer:
         """States past this run's starting step (another run's, when starting fresh; unloadable ones
         after a fallback) move into a subdir: pruning by step would otherwise delete this run's new states
         in favour of them, and a later --resume auto would continue from them. A fresh run moves an earlier
-        run's weights files there too, which it would otherwise overwrite or leave mixed with its own."""
+        run's weights files there too, which it would otherwise overwrite or leave mixed with its own; a
+        resumed one, the step and epoch files past its state."""
         old = [p for step, p in self._states_by_step() if step > self.global_step]
-        weights = [] if self.resumed_from is not None else [
-            p for p in self.ckpt_dir.glob(f"{self.cfg.checkpoint_prefix}_*.pt")
-            if re.fullmatch(rf"{re.escape(self.cfg.checkpoint_prefix)}_(best|final|interrupted|(step|epoch)_\d+)\.pt",
-                            p.name)]
+        if self.resumed_from is None:
+            weights = [p for p in self.ckpt_dir.glob(f"{self.cfg.checkpoint_prefix}_*.pt") if re.fullmatch(
+                rf"{re.escape(self.cfg.checkpoint_prefix)}_(best|final|interrupted|(step|epoch)_\d+)\.pt", p.name)]
+        else:  # the step and epoch files past the resumed state's: keep_checkpoints would keep them over this run's
+            weights = ([p for n, p in self._numbered("step") if n > self.global_step] +
+                       [p for n, p in self._numbered("epoch") if n > self.epoch])
         if not old and not weights:
             return
         aside = Path(tempfile.mkdtemp(prefix=f"previous_states.{int(time.time())}.", dir=self.ckpt_dir))

@@ -459,16 +459,18 @@ def flag_value(parser, action, where, value):
         if action.default is not None:
             parser.error(f"{where} must not be null (default {action.default!r})")
         return None
-    if action.nargs == 0 or action.const is True:  # a switch (store_true, or a trainer's --compile [true|false])
-        if not isinstance(value, bool):
-            parser.error(f"{where} must be true or false, got {value!r}")
+    switch = action.nargs == 0 or action.const is True  # store_true, or a trainer's --compile [BOOL]
+    if switch and isinstance(value, bool):
         return value
+    if action.nargs == 0 or (switch and not isinstance(value, str)):  # a word goes on: static_graph's "auto"
+        parser.error(f"{where} must be true or false, got {value!r}")
     if isinstance(value, bool):  # YAML's true/false for a number or a path
         parser.error(f"{where} expects {expected}, got {value!r}")
     try:
         read = action.type(str(value)) if action.type else str(value)
     except (ValueError, argparse.ArgumentTypeError):
-        parser.error(f"{where} expects {expected}, got {value!r}")
+        parser.error(f"{where} must be true or false, got {value!r}" if switch else
+                     f"{where} expects {expected}, got {value!r}")
     if action.choices and read not in action.choices:
         parser.error(f"{where} must be one of {list(action.choices)}, got {value!r}")
     return read

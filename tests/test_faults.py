@@ -442,27 +442,66 @@ def test_a_failed_write_at_a_stop_or_at_the_end_is_written_again(tmp_path, monke
     assert resumed["resumed_from"].endswith("model_state_step_6.pt") and resumed["steps"] == 12
 
 
-def test_a_weights_file_whose_write_failed_is_written_again_from_its_copy(tmp_path, monkeypatch, no_launch_env):
-    """The state of a later step replaces a failed state, but no later save point writes step 6's weights file,
-    or the best weights of the last validation: they were lost, model_best.pt silently a step behind the
-    summary's best_val_loss (from a review). Each is written again from the copy of its step."""
+def failing_once(monkeypatch, name: str, step: int, delay: float = 0.0, every: bool = False) -> list:
+    """rt.atomic_save, but the write of `name` at `step` fails as on a full disk after `delay` seconds: once, or
+    `every` time. Returns the val_loss of each failed payload."""
     save, failed = rt.atomic_save, []
 
-    def full_disk_once(obj, path):
-        if path.name in ("model_step_6.pt", "model_best.pt") and obj["global_step"] in (6, 12) \
-                and path.name not in failed:
-            failed.append(path.name)
+    def full_disk(obj, path):
+        if path.name == name and obj["global_step"] == step and (every or not failed):
+            failed.append(obj.get("val_loss"))
+            time.sleep(delay)
             raise OSError(28, "No space left on device")
         return save(obj, path)
-    monkeypatch.setattr(rt, "atomic_save", full_disk_once)
-    s = DDPTrainer(config=cfg_for(tmp_path, save_every_iters=3, val_interval=6)).train()
-    assert sorted(failed) == ["model_best.pt", "model_step_6.pt"] and s["status"] == "completed"
-    step_6 = torch.load(tmp_path / "ckpt" / "model_step_6.pt", weights_only=True)
-    assert step_6["global_step"] == 6 and step_6["val_loss"] < 4.0
-    best = torch.load(tmp_path / "ckpt" / "model_best.pt", weights_only=True)
-    assert (best["global_step"], best["val_loss"]) == (12, s["best_val_loss"])
-    log = (tmp_path / "logs" / "rank_0.log").read_text()
-    assert f"writing {tmp_path / 'ckpt' / 'model_step_6.pt'} again" in log
+    monkeypatch.setattr(rt, "atomic_save", full_disk)
+    return failed
+
+
+def weights_at(root, name: str) -> tuple:
+    saved = torch.load(Path(root) / "ckpt" / name, weights_only=True)
+    return saved["global_step"], saved.get("val_loss")
+
+
+EPOCH = 32  # steps per epoch of cfg_for(): 256 training samples / 8
+
+
+@pytest.mark.parametrize("case", ["known-at-the-next-step", "best-at-the-end", "known-at-the-last-save-point",
+                                  "replaced-in-its-save-point"])
+def test_a_weights_file_whose_write_failed_is_written_again_from_its_copy(tmp_path, monkeypatch, no_launch_env,
+                                                                         case):
+    """A later state replaces a failed state, but no later save point writes a step's weights file or the best
+    weights of the last validation: they were lost, model_best.pt silently behind the summary's best_val_loss
+    (from a review). Each is written again from the copy of its step; a failure that a save point at the end
+    meets is written again before the run ends; a copy replaced within its save point (the step file written
+    again with the epoch's validation loss) is not put back over the newer one (from a review of the fix)."""
+    name, step, delay, cfg = {
+        "known-at-the-next-step": ("model_step_6.pt", 6, 0.0, dict(save_every_iters=3, val_interval=6)),
+        "best-at-the-end": ("model_best.pt", 12, 0.0, dict(save_every_iters=3, val_interval=6)),
+        "known-at-the-last-save-point": ("model_step_10.pt", 10, 1.0, dict(save_every_iters=5)),
+        "replaced-in-its-save-point": (f"model_step_{EPOCH}.pt", EPOCH, 1.0,
+                                       dict(save_every_iters=EPOCH, max_steps=EPOCH + 2))}[case]
+    failed = failing_once(monkeypatch, name, step, delay)
+    s = DDPTrainer(config=cfg_for(tmp_path, **cfg)).train()
+    assert failed and s["status"] == "completed", (failed, s)
+    got = weights_at(tmp_path, name)
+    if case == "best-at-the-end":
+        assert got == (12, s["best_val_loss"])
+    elif case == "replaced-in-its-save-point":
+        assert failed == [None] and got[0] == EPOCH and got[1] is not None  # the copy with the epoch's loss
+    else:
+        assert got[0] == step
+    assert f"writing {tmp_path / 'ckpt' / name} again" in (tmp_path / "logs" / "rank_0.log").read_text() \
+        or case == "replaced-in-its-save-point"
+
+
+def test_a_failed_weights_file_that_keep_checkpoints_has_pushed_out_is_not_written_again(tmp_path, monkeypatch,
+                                                                                         no_launch_env):
+    """Written again, it would only be pruned, on a disk that was just full: every write of step 6 failing
+    stopped the run at step 9, with model_step_9.pt on disk (from a review)."""
+    failing_once(monkeypatch, "model_step_6.pt", 6, delay=1.0, every=True)
+    s = DDPTrainer(config=cfg_for(tmp_path, save_every_iters=3, keep_checkpoints=1)).train()
+    assert s["status"] == "completed" and sorted(p.name for p in (tmp_path / "ckpt").glob("model_step_*.pt")) == [
+        "model_step_12.pt"]
 
 
 def _train_resuming(rank, world_size, root, max_steps, local_dir_on_rank_1):

@@ -366,6 +366,18 @@ def test_only_the_newest_states_and_weights_files_are_kept(tmp_path, no_launch_e
     assert (tmp_path / "ckpt" / "model_best.pt").exists() and (tmp_path / "ckpt" / "model_final.pt").exists()
 
 
+def test_resuming_an_earlier_state_sets_the_later_weights_files_aside(tmp_path, no_launch_env):
+    """The step files past the resumed state are another future's: keep_checkpoints kept them, by step, over the
+    resumed run's own, which it deleted as soon as they were written (from a review)."""
+    DDPTrainer(config=cfg_for(tmp_path, keep_states=0)).train()
+    DDPTrainer(config=cfg_for(tmp_path, resume=str(tmp_path / "ckpt" / "model_state_step_5.pt"), max_steps=15,
+                              keep_checkpoints=2)).train()
+    assert numbered(tmp_path, "step") == [10, 15]
+    (aside,) = (tmp_path / "ckpt").glob("previous_states.*")
+    steps = lambda pattern: sorted(int(p.stem.rsplit("_", 1)[1]) for p in aside.glob(pattern))  # noqa: E731
+    assert steps("model_step_*.pt") == steps("model_state_step_*.pt") == [10, 15, 20]  # the first run's
+
+
 def test_corrupt_newest_state_falls_back_to_the_previous(tmp_path, no_launch_env, reference_1, caplog):
     DDPTrainer(config=cfg_for(tmp_path, keep_states=3), loss_fn=SignalAt(12)).train()
     newest = tmp_path / "ckpt" / "model_state_step_12.pt"

@@ -178,10 +178,10 @@ def test_a_config_file_is_read_like_the_flags_and_a_run_records_one(tmp_path, ca
     import yaml
     path = tmp_path / "c.yaml"
     path.write_text("processed_data_dir: t\nvalidation_data_dir: v\nbatch_size: 8\nlr: 3e-4\nskip_bad_files: true\n"
-                    "checkpoint_dir: ck/a\nrun_name: a\ncompile: true\npatience: null\n")
+                    "checkpoint_dir: ck/a\nrun_name: a\ncompile: true\npatience: null\nstatic_graph: auto\n")
     args = vj2.parse_args(["--config", str(path), "--batch_size", "6"])
     assert (args.batch_size, args.lr, args.skip_bad_files, args.checkpoint_dir) == (6, 3e-4, True, "ck/a")
-    assert (args.compile, args.patience) == (True, None)
+    assert (args.compile, args.patience, args.static_graph) == (True, None, None)
     assert vj2.parse_args(["--config", str(path), "--test"]).max_steps == vj2.TEST_DEFAULTS["max_steps"]
     # what the run records loads back to the same flags; the launch's own (--resume none) are not kept
     args = vj2.parse_args(["--config", str(path), "--resume", "none", "--seed", "3"])
@@ -199,6 +199,7 @@ def test_a_config_file_is_read_like_the_flags_and_a_run_records_one(tmp_path, ca
     for text, message in [("bogus: 1\n", "unknown key 'bogus'"), ("batch_size: 2.5\n", "key 'batch_size' expects int"),
                           ("skip_bad_files: 1\n", "key 'skip_bad_files' must be true or false, got 1"),
                           ("compile: 1\n", "key 'compile' must be true or false, got 1"),
+                          ("compile: maybe\n", "key 'compile' must be true or false, got 'maybe'"),
                           ("batch_size: null\n", "key 'batch_size' must not be null"),
                           ("preset: huge\n", "key 'preset' must be one of"), ("depth: [1]\n", "a single value"),
                           ("evaluate: x.pt\n", "unknown key 'evaluate'"), ("- 1\n", "expected a flat mapping")]:
