@@ -170,7 +170,11 @@ detected_gpus() {
         grep -c . <<< "$listing" || true
         return
     fi
-    count=$("$python" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null) || count=0
+    if ! count=$("$python" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null); then
+        say "no nvidia-smi, and $python cannot import torch to count the GPUs: none counted (a virtual" \
+            "environment not activated? set PYTHON=/path/to/its/python)"
+        count=0
+    fi
     is_uint "$count" && echo "$count" || echo 0
 }
 

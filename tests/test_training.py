@@ -1159,6 +1159,9 @@ def test_launcher_syntax_help_and_errors(tmp_path):
     r = run(launcher + ["--cpu"], cwd=REPO, env={**env, "PYTHON": str(tmp_path / "python")})
     assert r.returncode == 2 and f"no torchrun on PATH, and {tmp_path / 'python'} cannot import torch" in r.stdout, \
         r.stdout
+    r = run(launcher + ["--gpus", "0"], cwd=REPO, env={**env, "PYTHON": str(tmp_path / "python")})
+    assert r.returncode == 2 and f"no nvidia-smi, and {tmp_path / 'python'} cannot import torch to count the " \
+                                 f"GPUs: none counted" in r.stdout and "GPU 0 does not exist" in r.stdout, r.stdout
     # Four GPUs on the node, two given to this job: --gpus counts within the two.
     fake = tmp_path / "bin"
     fake.mkdir()
