@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import collections.abc
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -953,11 +954,35 @@ def _kill_leftover_workers() -> None:
     waits for them without a timeout. Our loader workers ignore SIGTERM (see _init_worker), so after an
     uncaught error or a Ctrl-C outside train() (which stops its own) the process would hang there: this runs
     first (atexit runs the handlers registered last first; multiprocessing registered its own on import) and
-    kills the workers left, which have nothing to save."""
+    kills the workers left, which have nothing to save (DataLoader's SIGCHLD handler, which would call each
+    such end a crash, "Exception ignored in atexit callback", goes first)."""
+    if _WORKERS and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for p in list(_WORKERS):
         if p.is_alive():
             p.kill()
             p.join(5.0)
+
+
+def _kill_stopped_workers(it: Any, workers: list) -> None:
+    """Workers frozen whole (SIGSTOP) go first: the shutdown would wait 5 s for each, and, with pin_memory, for
+    ever for the pin thread, blocked in the hand-over of a batch such a worker had queued. Out of DataLoader's
+    SIGCHLD watch first, which would take their end for a crash and raise in this thread."""
+    def stopped(w) -> bool:
+        try:
+            return w.pid is not None and psutil.Process(w.pid).status() in (psutil.STATUS_STOPPED,
+                                                                          psutil.STATUS_TRACING_STOP)
+        except psutil.Error:
+            return False
+    frozen = [w for w in workers if stopped(w)]
+    if not frozen:
+        return
+    if getattr(it, "_worker_pids_set", False):
+        torch.utils.data._utils.signal_handling._remove_worker_pids(id(it))
+        it._worker_pids_set = False
+    for w in frozen:
+        w.kill()
+        w.join(5.0)
 
 
 def stop_workers(loader: Any) -> None:
@@ -969,6 +994,7 @@ def stop_workers(loader: Any) -> None:
     it = getattr(loader, "_iterator", None)
     if it is not None and hasattr(it, "_shutdown_workers"):
         workers = list(getattr(it, "_workers", []))
+        _kill_stopped_workers(it, workers)
         it._shutdown_workers()
         for w in workers:  # a stuck worker outlives terminate(): its SIGTERM is ignored (see _init_worker)
             if w.is_alive():
@@ -1149,6 +1175,8 @@ class DispatchLoader:
         self.dataset, self.rank, self.world_size = dataset, rank, world_size
         self.collate_fn = collate_fn or torch.utils.data.default_collate
         stream = isinstance(dataset, torch.utils.data.IterableDataset)
+        self.backstop_s = None if stream else loader_backstop_s(loader_kwargs.get("num_workers", 0),  # no workers
+                                                                 loader_kwargs.get("timeout_s"))
         parts = _PartsCollate(self.collate_fn, world_size, together=stream)
         self.reader, problem = None, None
         if rank == 0 and not stream and len(dataset) < batch_size * world_size:  # told to every rank, below
@@ -1186,6 +1214,43 @@ class DispatchLoader:
         return _DispatchIterator(self)
 
 
+class LoaderStuck(RuntimeError):
+    """No batch within a loader's backstop."""
+
+
+def loader_backstop_s(num_workers: int, timeout_s: Optional[float]) -> Optional[float]:
+    """The backstop of a loader with workers: well past its own timeout, which answers first when no batch comes
+    at all (one next() may wait that long for each batch a worker has ahead of the one it needs)."""
+    return 4 * timeout_s if num_workers and timeout_s else None
+
+
+@contextlib.contextmanager
+def backstop(seconds: Optional[float]):
+    """LoaderStuck in the main thread after `seconds` (SIGALRM). A DataLoader's own timeout covers the wait for
+    a batch, not the hand-over of its tensors: a worker frozen whole (SIGSTOP, a frozen cgroup) with a batch
+    already queued holds the rank in that hand-over for good, where no signal to stop gets it out. Off in
+    another thread, and while the process has a timer of its own (it is left as it is)."""
+    if (seconds is None or threading.current_thread() is not threading.main_thread()
+            or signal.getitimer(signal.ITIMER_REAL)[0] > 0):
+        yield
+        return
+    armed = [True]
+
+    def expired(signum, frame):
+        if armed[0]:  # not once the wait is over: a batch that has just come is no stuck worker
+            raise LoaderStuck(f"DataLoader timed out: no batch after {seconds:g} seconds")
+    previous = signal.signal(signal.SIGALRM, expired)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        yield
+    finally:
+        armed[0] = False
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        finally:
+            signal.signal(signal.SIGALRM, previous)
+
+
 def _compact(t: torch.Tensor) -> torch.Tensor:
     """A view as a tensor of its own: pickled to be sent, a view carries its whole storage (a row of a
     preloaded dataset tensor sent every sample of it)."""
@@ -1220,7 +1285,9 @@ class _DispatchIterator:
         """Rank 0: the next global batch, one part per rank; None for every rank at the end of the data."""
         world_size = self.loader.world_size
         try:
-            return [map_tensors(_compact, part) for part in next(self.batches)]
+            with backstop(self.loader.backstop_s):
+                parts = next(self.batches)
+            return [map_tensors(_compact, part) for part in parts]
         except StopIteration:
             return [None] * world_size
         except Exception as exc:  # not one sample (a dead worker, a broken stream): the reader is done for
@@ -1789,7 +1856,8 @@ class CheckpointWriter:
 
     def write_failed_again(self, wanted=lambda path: True) -> None:
         """Queue once more the failed writes that were saved with `again`, not replaced since, and still
-        `wanted(path)` (a step file that newer ones have made one to prune is not)."""
+        `wanted(path)` (a step file that newer ones have made one to prune is not). Call it after a flush()
+        (as the trainer does): a write of the same path still queued would land before the copy."""
         with self._lock:
             jobs, self._failed = [job for job in self._failed.values() if wanted(job[1])], {}
             self._pending += len(jobs)

@@ -39,7 +39,6 @@ import signal
 import socket
 import sys
 import tempfile
-import threading
 import time
 import traceback
 import typing
@@ -858,33 +857,9 @@ def json_line(record: dict) -> str:
     return json.dumps(json_safe(record), allow_nan=False)
 
 
-class LoaderStuck(RuntimeError):
-    """No batch within the backstop of next_batch."""
-
-
-@contextlib.contextmanager
-def backstop(seconds: Optional[float]):
-    """LoaderStuck in the main thread after `seconds` (SIGALRM). The DataLoader's own timeout covers the wait
-    for a batch, not the hand-over of its tensors: a worker frozen whole (SIGSTOP, a frozen cgroup) with a
-    batch already queued holds the rank in that hand-over for good, where no signal to stop gets it out."""
-    if seconds is None or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def expired(signum, frame):
-        raise LoaderStuck(f"DataLoader timed out: no batch after {seconds:g} seconds")
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def next_batch(batches, backstop_s: Optional[float] = None) -> Any:
     try:
-        with backstop(backstop_s):
+        with rt.backstop(backstop_s):
             return next(batches)
     except (StopIteration, rt.CollectiveFailed):
         raise
@@ -933,20 +908,30 @@ def to_device(batch, device: torch.device, non_blocking: bool):
     return rt.map_tensors(lambda t: t.to(device, non_blocking=non_blocking), batch)
 
 
+_END = object()
+
+
 @torch.no_grad()
 def evaluate_model(model: nn.Module, loader, loss_fn: LossFn, device: torch.device,
                    autocast=contextlib.nullcontext, non_blocking: bool = False,
                    log: Optional[logging.Logger] = None) -> dict:
     """Mean loss (and extras) over a sharded set: each rank runs its shard, sums and counts are
     all-reduced, so the result equals one process evaluating the whole set. Pass the bare model:
-    a DDP forward here would make ranks with different shard lengths wait on each other."""
+    a DDP forward here would make ranks with different shard lengths wait on each other. A loader with
+    workers and a timeout gets the same backstop as a training loader (rt.backstop)."""
+    backstop_s = rt.loader_backstop_s(getattr(loader, "num_workers", 0), getattr(loader, "timeout", None))
     was_training = model.training
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     extras: dict = {}
     error, failure = None, None
     try:  # no collective inside the loop, so a rank may leave it early; the gather below tells the others
-        for batch in loader:
+        batches = iter(loader)
+        while True:
+            with rt.backstop(backstop_s):
+                batch = next(batches, _END)
+            if batch is _END:
+                break
             batch = to_device(batch, device, non_blocking)
             with autocast():
                 out = loss_terms(loss_fn(model, batch))
@@ -1276,9 +1261,10 @@ class DDPTrainer:
                              f"val_dataset)")
         self.test_loader = loader(test_dataset, False) if test_dataset is not None else None
         self.non_blocking = pin
-        # past the DataLoader's own timeout, which answers first when no batch comes at all (see backstop)
-        workers = cfg.data_strategy == "shard" and self.train_loader.num_workers > 0
-        self.loader_backstop_s = 2 * cfg.loader_timeout if workers and cfg.loader_timeout else None
+        # dispatch: rank 0's reader has its own (rt.DispatchLoader)
+        shard = cfg.data_strategy == "shard"
+        self.loader_backstop_s = rt.loader_backstop_s(self.train_loader.num_workers if shard else 0,
+                                                      cfg.loader_timeout)
 
     def _count_steps(self) -> None:
         """Steps per epoch and in all; a stream's epoch lasts until it ends, its run until max_steps."""
@@ -2489,7 +2475,9 @@ class DDPTrainer:
                 rf"{re.escape(self.cfg.checkpoint_prefix)}_(best|final|interrupted|(step|epoch)_\d+)\.pt", p.name)]
         else:  # the step and epoch files past the resumed state's: keep_checkpoints would keep them over this run's
             weights = ([p for n, p in self._numbered("step") if n > self.global_step] +
-                       [p for n, p in self._numbered("epoch") if n > self.epoch])
+                       [p for n, p in self._numbered("epoch") if n > self.epoch] +
+                       [p for p in map(self.checkpoint_path, ("best", "final", "interrupted"))
+                        if (self._saved_step(p) or 0) > self.global_step])  # best: of a future this run has not
         if not old and not weights:
             return
         aside = Path(tempfile.mkdtemp(prefix=f"previous_states.{int(time.time())}.", dir=self.ckpt_dir))
@@ -2499,6 +2487,16 @@ class DDPTrainer:
                     os.replace(f, aside / f.name)
         self.log.warning("moved %d resumable state(s) past step %d and %d weights file(s) (not this run's) to %s",
                          len(old), self.global_step, len(weights), aside)
+
+    def _saved_step(self, path: Path) -> Optional[int]:
+        """The global_step a weights file holds (memory-mapped: the weights are not read); None without one."""
+        if not path.exists():
+            return None
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("global_step")
+        except Exception as exc:  # noqa: BLE001 -- a damaged file is left where it is, and said so
+            self.log.warning("could not read the step of %s (%s: %s); left in place", path, type(exc).__name__, exc)
+            return None
 
     def _start_metrics_file(self) -> None:
         """A fresh run moves old curves aside (metrics.<time>.jsonl); a resumed run continues the same

@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import socket
+import sys
 import time
 import weakref
 from pathlib import Path
@@ -18,9 +19,11 @@ import torch
 import torch.nn as nn
 
 import ddp_runtime as rt
-from conftest import FlakyData, Indices, background, metrics, clean_env, torchrun, torchrun_workers, wait_for_step
+from conftest import (REPO, FlakyData, Indices, background, clean_env, metrics, run, torchrun, torchrun_workers,
+                      wait_for_step)
 from dist_helpers import spawn
-from ddp_training import CausalLM, DDPTrainer, StepFailed, TrainConfig, lm_loss, next_micro_batches, synthetic_lm_data
+from ddp_training import (CausalLM, DDPTrainer, EvaluationFailed, StepFailed, TrainConfig, evaluate_model, lm_loss,
+                          next_micro_batches, synthetic_lm_data)
 
 pytestmark = pytest.mark.multi
 
@@ -359,6 +362,64 @@ def test_a_batch_whose_hand_over_hangs_fails_at_the_backstop_instead_of_hanging_
     assert batch.fatal and "LoaderStuck: DataLoader timed out: no batch after 0.5 seconds" in batch.text
     assert "a worker is stuck" in batch.text and time.time() - t0 < 5
     assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    # evaluation loaders too (a loader with workers and a timeout: the backstop is 4 x the timeout)
+    loader = type("Loader", (), {"num_workers": 1, "timeout": 0.1, "__iter__": lambda self: HandOverHangs()})()
+    with pytest.raises(EvaluationFailed, match=r"LoaderStuck: DataLoader timed out: no batch after 0.4 seconds"):
+        evaluate_model(nn.Linear(1, 1), loader, lm_loss, torch.device("cpu"))
+    # a timer of the process's own is left as it is (no backstop then): it was cancelled (from a review)
+    fired = []
+    signal.signal(signal.SIGALRM, lambda *_: fired.append(1))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with rt.backstop(0.1):
+            time.sleep(0.2)
+        assert signal.getitimer(signal.ITIMER_REAL)[0] > 0 and not fired
+        time.sleep(0.3)
+        assert fired == [1]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+
+
+class FreezesItsWorker(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        if i >= 4 and torch.utils.data.get_worker_info() is not None:
+            time.sleep(1)  # the queue's feeder thread sends the first batch on first
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return torch.tensor(float(i))
+
+
+def test_a_frozen_worker_is_killed_first_when_its_loader_stops(no_launch_env):
+    """The shutdown waited 5 s for each frozen worker and, with pin_memory, for ever for the pin thread
+    blocked in the hand-over of a batch such a worker had queued (from a review)."""
+    loader = rt.build_dataloader(FreezesItsWorker(), 4, train=False, rank=0, world_size=1, seed=0, num_workers=1,
+                                 timeout_s=30)
+    batches = iter(loader)
+    assert next(batches).tolist() == [0.0, 1.0, 2.0, 3.0]
+    (worker,) = batches._workers
+    deadline = time.time() + 30
+    while psutil.Process(worker.pid).status() != psutil.STATUS_STOPPED:
+        assert time.time() < deadline, "the worker did not freeze"
+        time.sleep(0.05)
+    t0 = time.time()
+    rt.stop_workers(loader)
+    assert not worker.is_alive() and worker.exitcode == -signal.SIGKILL and time.time() - t0 < 4.5
+
+
+def test_workers_left_at_exit_end_without_a_false_crash_report(tmp_path):
+    """A process that leaves train() by an error (or uses a loader outside it) has its workers killed at exit;
+    DataLoader's SIGCHLD handler took that for a crash: "Exception ignored in atexit callback ... killed"."""
+    code = ("import sys, torch\n"
+            f"sys.path.insert(0, {str(REPO)!r})\n"
+            "import ddp_runtime as rt\n"
+            "loader = rt.build_dataloader(list(range(64)), 4, train=False, rank=0, world_size=1, seed=0, "
+            "num_workers=1, timeout_s=30)\n"
+            "print(next(iter(loader)).tolist())\n")
+    r = run([sys.executable, "-c", code], cwd=tmp_path, timeout=60)
+    assert r.returncode == 0 and "[0, 1, 2, 3]" in r.stdout and "Exception ignored" not in r.stdout, r.stdout
 
 
 def _failing_writes(rank, world_size, root, failing: str, delay: float = 0.0):

@@ -369,11 +369,17 @@ def test_only_the_newest_states_and_weights_files_are_kept(tmp_path, no_launch_e
 def test_resuming_an_earlier_state_sets_the_later_weights_files_aside(tmp_path, no_launch_env):
     """The step files past the resumed state are another future's: keep_checkpoints kept them, by step, over the
     resumed run's own, which it deleted as soon as they were written (from a review)."""
-    DDPTrainer(config=cfg_for(tmp_path, keep_states=0)).train()
-    DDPTrainer(config=cfg_for(tmp_path, resume=str(tmp_path / "ckpt" / "model_state_step_5.pt"), max_steps=15,
-                              keep_checkpoints=2)).train()
+    DDPTrainer(config=cfg_for(tmp_path, keep_states=0, val_interval=5)).train()
+    assert torch.load(tmp_path / "ckpt" / "model_best.pt", weights_only=True)["global_step"] == 20
+    s = DDPTrainer(config=cfg_for(tmp_path, resume=str(tmp_path / "ckpt" / "model_state_step_5.pt"), max_steps=15,
+                                  keep_checkpoints=2, val_interval=5, learning_rate=5.0)).train()
     assert numbered(tmp_path, "step") == [10, 15]
+    # the best weights of the abandoned future went too: this run, whose rate is made to diverge, never beats
+    # step 5's loss and has none (the first run overwrote step 5's), where the first run's step 20 stood for it
+    assert s["status"] == "completed" and s["best_val_loss"] is not None
+    assert not (tmp_path / "ckpt" / "model_best.pt").exists()
     (aside,) = (tmp_path / "ckpt").glob("previous_states.*")
+    assert {"model_best.pt", "model_final.pt"} <= {p.name for p in aside.iterdir()}
     steps = lambda pattern: sorted(int(p.stem.rsplit("_", 1)[1]) for p in aside.glob(pattern))  # noqa: E731
     assert steps("model_step_*.pt") == steps("model_state_step_*.pt") == [10, 15, 20]  # the first run's
 

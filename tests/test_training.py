@@ -213,7 +213,7 @@ def test_dataloader_workers_are_stopped_when_train_returns(tmp_path, no_launch_e
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     cfg = dict(QUICK, max_steps=12, val_interval=6, num_workers=2, resume="none", log_dir=str(tmp_path / "logs"))
     trainer = DDPTrainer(rank=0, world_size=1, config=cfg)
-    assert trainer.loader_backstop_s == 2 * 120  # workers: a backstop past their own timeout (test_faults)
+    assert trainer.loader_backstop_s == 4 * 120  # workers: a backstop past their own timeout (test_faults)
     summary = trainer.train()
     assert summary["status"] == "completed" and summary["steps"] == 12 and summary["test_loss"] is not None
     assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL  # the backstop's alarm is put back after each batch
