@@ -223,8 +223,9 @@ class TrainConfig:
             if getattr(self, key) < 1:
                 raise ValueError(f"config key {key!r} must be >= 1, got {getattr(self, key)}")
         for key in ("num_epochs", "max_steps", "warmup_steps", "num_workers", "val_interval", "patience",
-                    "save_interval", "save_every_iters", "keep_states", "keep_checkpoints", "memory_check_interval", "cleanup_interval",
-                    "max_errors_per_epoch", "weight_decay", "grad_clip", "min_delta", "first_step_timeout"):
+                    "save_interval", "save_every_iters", "keep_states", "keep_checkpoints", "memory_check_interval",
+                    "cleanup_interval", "max_errors_per_epoch", "weight_decay", "grad_clip", "min_delta",
+                    "first_step_timeout"):
             if getattr(self, key) < 0:
                 raise ValueError(f"config key {key!r} must be >= 0, got {getattr(self, key)}")
         for key in ("learning_rate", "bucket_cap_mb", "loader_timeout"):
