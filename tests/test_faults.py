@@ -503,15 +503,18 @@ def test_a_failed_write_at_a_stop_or_at_the_end_is_written_again(tmp_path, monke
     assert resumed["resumed_from"].endswith("model_state_step_6.pt") and resumed["steps"] == 12
 
 
-def failing_once(monkeypatch, name: str, step: int, delay: float = 0.0, every: bool = False) -> list:
-    """rt.atomic_save, but the write of `name` at `step` fails as on a full disk after `delay` seconds: once, or
-    `every` time. Returns the val_loss of each failed payload."""
+def failing_once(monkeypatch, name: str, step: int, delay: float = 0.0, every: bool = False, until=None) -> list:
+    """rt.atomic_save, but the write of `name` at `step` fails as on a full disk after `delay` seconds (or once
+    `until()` holds, at most 60 s): once, or `every` time. Returns the val_loss of each failed payload."""
     save, failed = rt.atomic_save, []
 
     def full_disk(obj, path):
         if path.name == name and obj["global_step"] == step and (every or not failed):
             failed.append(obj.get("val_loss"))
             time.sleep(delay)
+            deadline = time.time() + 60
+            while until is not None and not until() and time.time() < deadline:
+                time.sleep(0.01)
             raise OSError(28, "No space left on device")
         return save(obj, path)
     monkeypatch.setattr(rt, "atomic_save", full_disk)
@@ -559,8 +562,10 @@ def test_a_failed_weights_file_that_keep_checkpoints_has_pushed_out_is_not_writt
                                                                                          no_launch_env):
     """Written again, it would only be pruned, on a disk that was just full: every write of step 6 failing
     stopped the run at step 9, with model_step_9.pt on disk (from a review)."""
-    failing_once(monkeypatch, "model_step_6.pt", 6, delay=1.0, every=True)
-    s = DDPTrainer(config=cfg_for(tmp_path, save_every_iters=3, keep_checkpoints=1)).train()
+    trainer = DDPTrainer(config=cfg_for(tmp_path, save_every_iters=3, keep_checkpoints=1))
+    # the first failure shows at step 9's save point, whose step file pushes step 6's out
+    failing_once(monkeypatch, "model_step_6.pt", 6, every=True, until=lambda: trainer.global_step >= 9)
+    s = trainer.train()
     assert s["status"] == "completed" and sorted(p.name for p in (tmp_path / "ckpt").glob("model_step_*.pt")) == [
         "model_step_12.pt"]
 
