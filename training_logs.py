@@ -411,9 +411,14 @@ def test_loss(summary: dict) -> Optional[float]:
     return summary.get("test_loss")
 
 
+# What a launch that never trained logs (the trainer's, then the VJ2 script's set-up)
+SET_UP_FAILURE = re.compile(r"\] ERROR: (trainer set-up failed|set-up (failed|stopped))")
+
+
 def world_size(run: Run) -> Optional[int]:
-    """From the summary; for a run without one, from the newest "rank 0/N" line of rank_0.log (each session
-    logs it at its start; counting rank_N.log files would count an earlier run's ranks in a reused dir)."""
+    """From the summary; for a run without one, from the "rank 0/N" line of the newest launch in rank_0.log
+    that did not fail in set-up (each launch logs it at its start; a relaunch refused with another world size
+    appends its own; counting rank_N.log files would count an earlier run's ranks in a reused dir)."""
     s = run.summary or {}
     if s.get("world_size"):
         return s["world_size"]
@@ -421,8 +426,13 @@ def world_size(run: Run) -> Optional[int]:
         text = (run.path / "rank_0.log").read_text(errors="replace")
     except OSError:
         return None
-    found = re.findall(r"\] INFO: rank 0/(\d+), local_rank", text)
-    return int(found[-1]) if found else None
+    starts = [m.start() for m in re.finditer(r"^.*" + SESSION_START.pattern, text, flags=re.M)]
+    for a, b in reversed(list(zip([0] + starts, starts + [len(text)]))):
+        launch = text[a:b]
+        found = re.search(r"\] INFO: rank 0/(\d+), local_rank", launch)
+        if found and not SET_UP_FAILURE.search(launch):
+            return int(found[1])
+    return None
 
 
 def summarize(run: Run) -> dict:

@@ -571,6 +571,15 @@ def test_the_world_size_of_a_running_run_is_its_own_not_the_dirs_earlier_one(tmp
     (d / "rank_0.log").write_text("2026-11-25 10:00:00 [RANK 0] INFO: rank 0/2, local_rank 0, device cpu\n"
                                   "2026-11-25 11:00:00 [RANK 0] INFO: rank 0/1, local_rank 0, device cpu\n")
     assert tl.summarize(tl.load_run(d))["world_size"] == 1
+    # a relaunch with another world size, refused (a state of another world size), is not the run's
+    with open(d / "rank_0.log", "a") as f:
+        f.write("2026-11-25 12:00:00 [RANK 0] INFO: rank 0/4, local_rank 0, device cpu\n"
+                "2026-11-25 12:00:01 [RANK 0] ERROR: trainer set-up failed\nTraceback (most recent call last):\n"
+                "  File \"x.py\", line 1, in <module>\nValueError: ... was written with world_size=1\n"
+                # the VJ2 script's own set-up, failed before its trainer logged a line
+                "2026-11-25 13:00:00 [RANK 0] INFO: [DDP] Initializing with backend=gloo, device=cpu\n"
+                "2026-11-25 13:00:01 [RANK 0] ERROR: set-up failed: --processed_data_dir d: no .npz files\n")
+    assert tl.summarize(tl.load_run(d))["world_size"] == 1
 
 
 def test_a_flag_is_no_metric_and_an_unknown_image_format_is_refused(runs, tmp_path, capsys):
