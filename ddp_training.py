@@ -2471,14 +2471,14 @@ class DDPTrainer:
         run's weights files there too, which it would otherwise overwrite or leave mixed with its own; a
         resumed one, the step and epoch files past its state."""
         old = [p for step, p in self._states_by_step() if step > self.global_step]
-        if self.resumed_from is None:
-            weights = [p for p in self.ckpt_dir.glob(f"{self.cfg.checkpoint_prefix}_*.pt") if re.fullmatch(
-                rf"{re.escape(self.cfg.checkpoint_prefix)}_(best|final|interrupted|(step|epoch)_\d+)\.pt", p.name)]
-        else:  # the step and epoch files past the resumed state's: keep_checkpoints would keep them over this run's
-            weights = ([p for n, p in self._numbered("step") if n > self.global_step] +
-                       [p for n, p in self._numbered("epoch") if n > self.epoch] +
-                       [p for p in map(self.checkpoint_path, ("best", "final", "interrupted"))
-                        if (self._saved_step(p) or 0) > self.global_step])  # best: of a future this run has not
+        # a resumed run: those past its state (keep_checkpoints would keep them over its own; a best of a future
+        # it has not had); a fresh one: all
+        fresh = self.resumed_from is None
+        step, epoch = (-1, -1) if fresh else (self.global_step, self.epoch)
+        weights = ([p for n, p in self._numbered("step") if n > step] +
+                   [p for n, p in self._numbered("epoch") if n > epoch] +
+                   [p for p in map(self.checkpoint_path, ("best", "final", "interrupted"))
+                    if p.exists() and (fresh or (self._saved_step(p) or 0) > self.global_step)])
         if not old and not weights:
             return
         aside = Path(tempfile.mkdtemp(prefix=f"previous_states.{int(time.time())}.", dir=self.ckpt_dir))
@@ -2491,8 +2491,6 @@ class DDPTrainer:
 
     def _saved_step(self, path: Path) -> Optional[int]:
         """The global_step a weights file holds (memory-mapped: the weights are not read); None without one."""
-        if not path.exists():
-            return None
         try:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("global_step")
         except Exception as exc:  # noqa: BLE001 -- a damaged file is left where it is, and said so

@@ -308,14 +308,20 @@ def load_run(run_dir, name: Optional[str] = None) -> Run:
 SESSION_START = re.compile(r"\] INFO: (\[DDP\] Initializing with backend|rank 0/\d+, local_rank)")
 
 
+def launches(log: Path) -> list:
+    """The lines of each launch in a rank log, oldest first."""
+    with open(log, errors="replace") as f:
+        lines = f.read().splitlines()
+    starts = [i for i, line in enumerate(lines) if i and SESSION_START.search(line)]
+    return [lines[a:b] for a, b in zip([0] + starts, starts + [len(lines)])]
+
+
 def first_error(log: Path) -> Optional[str]:
     """The first ERROR line of the newest launch in a rank log without its time and rank prefix, and the
     exception of the traceback that follows it, if one does ("trainer set-up failed" is followed by its
     traceback). A relaunch still setting up has none, whatever an earlier launch logged."""
-    with open(log, errors="replace") as f:
-        lines = f.read().splitlines()
-    starts = [i for i, line in enumerate(lines) if SESSION_START.search(line)]
-    for i, line in enumerate(lines[starts[-1] if starts else 0:], start=starts[-1] if starts else 0):
+    lines = launches(log)[-1]
+    for i, line in enumerate(lines):
         if "] ERROR: " in line:
             # the logger's exception() puts "Traceback ..." on the message's own line
             message = line.split("] ERROR: ", 1)[1].removesuffix("Traceback (most recent call last):")
@@ -423,12 +429,11 @@ def world_size(run: Run) -> Optional[int]:
     if s.get("world_size"):
         return s["world_size"]
     try:
-        text = (run.path / "rank_0.log").read_text(errors="replace")
+        logged = launches(run.path / "rank_0.log")
     except OSError:
         return None
-    starts = [m.start() for m in re.finditer(r"^.*" + SESSION_START.pattern, text, flags=re.M)]
-    for a, b in reversed(list(zip([0] + starts, starts + [len(text)]))):
-        launch = text[a:b]
+    for lines in reversed(logged):
+        launch = "\n".join(lines)
         found = re.search(r"\] INFO: rank 0/(\d+), local_rank", launch)
         if found and not SET_UP_FAILURE.search(launch):
             return int(found[1])
