@@ -29,6 +29,14 @@ if signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN:
     signal.signal(signal.SIGQUIT, signal.SIG_DFL)
 SIGHUP_IGNORED = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
 
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pytest.ini): one test process per core this process may use, at most 4. Two on a 2-core
+    machine take the suite from about 14 to about 9.5 minutes (BENCHMARKS.md); more than 4 would run more
+    multi-process tests at once than a small machine's memory and timeouts were sized for."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))

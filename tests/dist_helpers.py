@@ -45,9 +45,9 @@ def _start_server() -> None:
 
 
 def _entry(fn, rank, world_size, port, queue, args, env):
-    # A rank's own children (DataLoader workers) are spawned by it, as under torch.multiprocessing spawn;
-    # a forkserver child would otherwise start them from the server, and never see them die (SIGCHLD)
-    mp.set_start_method("spawn", force=True)
+    # A rank's own children (DataLoader workers) are forked from it, as under torchrun or --nproc (Linux's
+    # default); a forkserver child would otherwise start them from the server, and never see them die (SIGCHLD)
+    mp.set_start_method("fork", force=True)
     os.environ.clear()
     os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
