@@ -43,7 +43,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 torch.version.cuda, "nccl", torch.cuda.nccl.version(), "gpus", torch.cuda.device_count())' || status=1
 
 if [[ $tests -eq 1 ]]; then
-    step pytest_gpu "$py" -m pytest -m gpu -v -p no:cacheprovider --durations=12
+    # one test at a time (-n 0): the out-of-memory test sizes its request by the whole card
+    step pytest_gpu "$py" -m pytest -m gpu -n 0 -v -p no:cacheprovider --durations=12
     step launch_lm ./launch_training.sh --test -l "$out/lm_test" -c "$out/lm_test/ckpt"
     step vj2_data "$py" create_synthetic_data.py --output_dir "$out/vj2_data/train" --num_files 4 \
         --val_output_dir "$out/vj2_data/val" --val_fraction 0.25
