@@ -32,8 +32,8 @@ SIGHUP_IGNORED = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
 
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pytest.ini): one test process per core this process may use, at most 4. Two on a 2-core
-    machine take the suite from about 14 to about 8 minutes, with forked loader workers (BENCHMARKS.md); more than 4 would run more
-    multi-process tests at once than a small machine's memory and timeouts were sized for."""
+    machine took the suite from about 14 to about 8 minutes, with other changes (BENCHMARKS.md); more than 4
+    would run more multi-process tests at once than a small machine's memory and timeouts were sized for."""
     return max(1, min(4, len(os.sched_getaffinity(0))))
 
 

@@ -195,7 +195,8 @@ def test_an_early_stop_at_an_epochs_last_step_still_ends_the_epoch(tmp_path, no_
 
 
 def test_compiled_model_trains_like_the_eager_one(tmp_path, no_launch_env):
-    cfg = {**QUICK, "num_layers": 1, "max_steps": 8, "val_interval": 0, "resume": "none"}  # 1 layer: 5 s less to compile
+    # 1 layer: 5 s less to compile
+    cfg = {**QUICK, "num_layers": 1, "max_steps": 8, "val_interval": 0, "resume": "none"}
     eager = DDPTrainer(config={**cfg, **dirs(tmp_path / "eager")}).train()
     trainer = DDPTrainer(config={**cfg, **dirs(tmp_path / "compiled"), "compile": True})
     assert isinstance(trainer.model, torch._dynamo.eval_frame.OptimizedModule)  # the loop runs the compiled one
