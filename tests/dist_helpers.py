@@ -10,16 +10,29 @@ import traceback
 from pathlib import Path
 
 
+# Ports come from a block of this test process's own (pytest-xdist worker gwN: 20000 + 1000 N), below the
+# kernel's ephemeral range (32768 on): a port that bind(0) chose is free only until the test uses it, seconds
+# later, and meanwhile every connection another test process opens takes a random ephemeral port (a 2-rank
+# run opens dozens), so a test could lose its port to the other worker's connections (EADDRINUSE).
+_PORT_BLOCK = 20000 + 1000 * int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").lstrip("gw") or 0)
+_next_port = [0]
+
+
 def free_ports(n: int) -> list:
-    """n distinct free ports (held open together while chosen, so no two are the same)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """n distinct free ports of this process's block, each checked with a bind."""
+    ports = []
+    for _ in range(1000):
+        port = _PORT_BLOCK + _next_port[0]
+        _next_port[0] = (_next_port[0] + 1) % 1000
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use, or not yet released by an earlier test
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    raise RuntimeError(f"no {n} free ports in {_PORT_BLOCK}-{_PORT_BLOCK + 999}")
 
 
 # Ranks are forked from a server that imported torch and the kit once, instead of spawned: a spawned
@@ -34,14 +47,23 @@ _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "num
 
 def _start_server() -> None:
     """Python 3.11's server imports its preload from its working directory (it ignores sys.path): start it
-    in the repository, whatever directory the first test that spawns has moved to."""
+    in the repository, whatever directory the first test that spawns has moved to. A first child is forked
+    and waited for here, before the caller picks a port: the server's imports (seconds) come first."""
     from multiprocessing import forkserver
     here = os.getcwd()
     os.chdir(Path(__file__).resolve().parents[1])
     try:
         forkserver.ensure_running()
+        if _server_pid[0] != getattr(forkserver._forkserver, "_forkserver_pid", None):  # new (a test killed one)
+            warm = _CTX.Process(target=os.getpid)
+            warm.start()
+            warm.join(120)
+            _server_pid[0] = getattr(forkserver._forkserver, "_forkserver_pid", None)
     finally:
         os.chdir(here)
+
+
+_server_pid = [None]
 
 
 def _entry(fn, rank, world_size, port, queue, args, env):

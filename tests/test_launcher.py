@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -263,19 +264,25 @@ def test_a_failed_torchrun_with_a_new_marker_exits_75(tmp_path, fake_bin, argv, 
 def test_a_preempted_run_exits_75_when_its_output_reader_is_gone(tmp_path, fake_bin):
     """`./launch_training.sh ... 2>&1 | tee train.log` and a Ctrl-C, which stops tee too (or a closed terminal):
     the launcher's last message met a pipe without a reader, and SIGPIPE turned the run's 75 into 141."""
-    then = f"save() {{ mkdir -p runs/lm && {MARKER} > runs/lm/PREEMPTED; exit 1; }}; trap save TERM; {IDLE}"
+    then = (f"save() {{ mkdir -p runs/lm && {MARKER} > runs/lm/PREEMPTED; exit 1; }}; trap save TERM; echo trapped; "
+            f"{IDLE}")
     path = f"{fake_bin}:{Path(sys.executable).parent}:/usr/bin:/bin"
     proc = subprocess.Popen(["bash", LAUNCHER, "--cpu"], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
                             env=clean_env(PATH=path, PYTHON=sys.executable, FAKE_TORCHRUN_THEN=then))
+    watchdog = threading.Timer(60, proc.kill)  # ends the read below if the launcher hangs without a word
+    watchdog.start()
     try:
-        while not proc.stdout.readline().startswith("["):  # torchrun's arguments: it sets its trap next
-            pass
-        time.sleep(0.3)
+        for line in proc.stdout:  # until the fake torchrun has its trap
+            if line.startswith("trapped"):
+                break
+        else:
+            pytest.fail("the launcher ended (or hung) before torchrun set its trap")
         proc.stdout.close()  # the reader is gone
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == EXIT_PREEMPTED
     finally:
+        watchdog.cancel()
         proc.kill()
     assert (tmp_path / "runs" / "lm" / "PREEMPTED").exists()
 
