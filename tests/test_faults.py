@@ -884,6 +884,38 @@ def test_one_process_whose_first_batch_cannot_load_fails_naming_it(tmp_path, no_
         trainer.train()
 
 
+class NudgesRank1:
+    """lm_loss that, on rank 1 only, moves a weight by 1e-3 outside any step before training step `step`:
+    replicas that no longer agree (a bug in a custom loop, a bit flip)."""
+
+    def __init__(self, rank, step):
+        self.hit, self.step, self.calls = rank == 1, step, 0
+
+    def __call__(self, model, batch):
+        self.calls += model.training
+        if self.hit and model.training and self.calls == self.step:
+            with torch.no_grad():
+                next(model.parameters()).add_(1e-3)
+        return lm_loss(model, batch)
+
+
+def _nudged(rank, world_size, root):
+    try:
+        DDPTrainer(rank=rank, world_size=world_size, config=cfg_for(root, save_every_iters=5),
+                   loss_fn=NudgesRank1(rank, 3)).train()
+        return None
+    except RuntimeError as exc:
+        return str(exc)
+
+
+def test_replicas_that_diverged_are_an_error_at_the_next_state_save_on_every_rank(tmp_path):
+    """The trainer compares the replicas before it saves a state (from a mutation review: without that check
+    every test still passed, and rank 0 saved its own weights as the run's)."""
+    errors = spawn(_nudged, 2, str(tmp_path), timeout=90)
+    assert all(e is not None and "replicas diverged: ranks [1]" in e for e in errors), errors
+    assert not (tmp_path / "ckpt" / "model_state_step_5.pt").exists()
+
+
 def test_sigusr1_through_the_launcher_preempts_cleanly(tmp_path):
     import sys
     from conftest import REPO
@@ -892,8 +924,9 @@ def test_sigusr1_through_the_launcher_preempts_cleanly(tmp_path):
            "-c", "ckpt", "--", "--max_steps", "100000", "--val_interval", "0", "--resume", "none"]
     with background(cmd, tmp_path, env=env) as agent:
         wait_for_step(tmp_path / "logs" / "metrics.jsonl", 5)
-        agent.send_signal(signal.SIGUSR1)  # the launcher exec'd torchrun: this is the agent
+        agent.send_signal(signal.SIGUSR1)  # to the launcher, which passes it on to torchrun once
         agent.communicate(timeout=60)
+    assert agent.returncode == 75  # the marker this launch's run wrote (its launch id), read by the launcher
     step = json.loads((tmp_path / "logs" / "PREEMPTED").read_text())["step"]
     assert (tmp_path / "ckpt" / f"model_state_step_{step}.pt").exists()
     assert "SIGUSR1" in (tmp_path / "logs" / "rank_0.log").read_text()

@@ -113,6 +113,28 @@ def test_augmentation_in_workers_resumes_bit_identical_with_any_worker_count(tmp
     assert_bit_identical(final_weights(tmp_path / "one"), final_weights(tmp_path / "ref"))
 
 
+def test_augmentation_in_the_main_process_resumes_bit_identical(tmp_path, no_launch_env):
+    """Without workers the dataset draws from this process's torch, numpy and random streams: a resume must
+    restore all three (restoring torch's alone passed every other resume test; from a mutation review)."""
+    augmented_run(tmp_path / "ref", num_workers=0)
+    assert augmented_run(tmp_path / "run", num_workers=0, loss_fn=SignalAt(6))["status"] == "interrupted"
+    second = augmented_run(tmp_path / "run", num_workers=0)
+    assert second["resumed_from"].endswith("state_step_6.pt")
+    assert_bit_identical(final_weights(tmp_path / "run"), final_weights(tmp_path / "ref"))
+
+
+def test_a_resume_in_the_middle_of_an_epoch_keeps_the_runs_own_epoch_files(tmp_path, no_launch_env):
+    """Set aside are the epoch files past the state's epoch, not the one it has finished (from a mutation
+    review: with >= for >, model_epoch_1.pt went into previous_states.*/ as "not this run's")."""
+    cfg = cfg_for(tmp_path, save_interval=1)
+    first = DDPTrainer(config=cfg, loss_fn=SignalAt(11)).train()
+    assert first["status"] == "interrupted" and first["epochs"] == 1  # stopped in the second epoch
+    epoch_1 = torch.load(tmp_path / "ckpt" / "model_epoch_1.pt", weights_only=True)
+    assert DDPTrainer(config=cfg).train()["status"] == "completed"
+    kept = torch.load(tmp_path / "ckpt" / "model_epoch_1.pt", weights_only=True)
+    assert kept["global_step"] == epoch_1["global_step"] and not list((tmp_path / "ckpt").glob("previous_states.*"))
+
+
 def test_resuming_with_workers_after_none_or_none_after_some_says_the_draws_differ(tmp_path, no_launch_env):
     augmented_run(tmp_path, num_workers=2, loss_fn=SignalAt(6))
     again = augmented_run(tmp_path, num_workers=0)

@@ -178,6 +178,21 @@ def test_patience_counts_from_the_last_improvement_by_more_than_min_delta(tmp_pa
     assert s["best_val_loss"] == pytest.approx(0.955)  # the best checkpoint follows every improvement
 
 
+def test_a_plateau_runs_out_of_patience_and_a_target_reached_exactly_stops(tmp_path, no_launch_env):
+    """Boundaries (from a mutation review): with min_delta 0 an equal loss is no improvement, or a plateau
+    never stops; a loss equal to target_loss has reached it."""
+    cfg = {**QUICK, "max_steps": 10, "val_interval": 1}
+    trainer = DDPTrainer(config={**cfg, **dirs(tmp_path / "plateau"), "patience": 2, "min_delta": 0})
+    trainer.evaluate = lambda loader=None: {"loss": 1.0, "count": 1}
+    s = trainer.train()
+    assert s["status"] == "early_stopped" and s["steps"] == 3  # 1: best; 2, 3: no better
+    trainer = DDPTrainer(config={**cfg, **dirs(tmp_path / "target"), "target_loss": 0.5})
+    losses = iter([1.0, 0.75, 0.5] + [0.25] * 20)
+    trainer.evaluate = lambda loader=None: {"loss": next(losses), "count": 1}
+    s = trainer.train()
+    assert s["status"] == "early_stopped" and s["steps"] == 3
+
+
 @pytest.mark.parametrize("val_interval", [0, "epoch"])
 def test_an_early_stop_at_an_epochs_last_step_still_ends_the_epoch(tmp_path, no_launch_env, val_interval):
     """Stopped by patience at the end of epoch 2 (a validation every epoch, or every steps_per_epoch steps):

@@ -441,6 +441,11 @@ def write_step_mismatch(p):
     np.savez(p, embeddings=emb, actions=np.concatenate([act, act[:, :1]], 1))
 
 
+def write_too_few_steps(p):
+    emb, act = good()
+    np.savez(p, embeddings=emb, actions=act[:, :-1])
+
+
 def write_int_dtype(p):
     np.savez(p, embeddings=good()[0].astype(np.int32), actions=good()[1])
 
@@ -531,6 +536,8 @@ BAD_FILES = {
     "wrong_ndim": (write_wrong_ndim, ["key 'embeddings'", "(3-D)", "expected 4-D [N, T, P, D]"]),
     "n_mismatch": (write_n_mismatch, ["key 'actions'", "N=2", "N=3", "expected the same N"]),
     "step_mismatch": (write_step_mismatch, ["key 'actions'", "has 4 steps", "expected T-1 = 3"]),
+    # found by its check, not by a reshape in training that names no file (from a mutation review)
+    "too_few_steps": (write_too_few_steps, ["key 'actions'", "has 2 steps", "expected T-1 = 3"]),
     "int_dtype": (write_int_dtype, ["key 'embeddings'", "dtype int32", "expected float16 or float32"]),
     "nan": (write_nan, ["key 'embeddings'", "NaN or inf", "trajectory 1", "expected finite"]),
     "int_actions": (write_int_actions, ["key 'actions'", "dtype int32", "expected float16 or float32"]),
