@@ -470,16 +470,6 @@ def all_reduce_floats(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
     return all_reduce_tensor(torch.tensor(values, dtype=torch.float64), op).tolist()
 
 
-def any_rank(flag: bool) -> bool:
-    """True on every rank if it is true on any rank."""
-    return all_reduce_floats([1.0 if flag else 0.0], dist.ReduceOp.MAX)[0] > 0
-
-
-def all_ranks(flag: bool) -> bool:
-    """True on every rank only if it is true on all ranks."""
-    return all_reduce_floats([1.0 if flag else 0.0], dist.ReduceOp.MIN)[0] > 0
-
-
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     if not (dist.is_available() and dist.is_initialized()):
         return obj
