@@ -36,6 +36,10 @@ def cfg_for(root, **extra):
     return {**CFG, "log_dir": str(Path(root) / "logs"), "checkpoint_dir": str(Path(root) / "ckpt"), **extra}
 
 
+# Two ranks with a loader worker each: on one CPU the kit gives each rank none (rt.capped_workers)
+TWO_CPUS = pytest.mark.skipif(rt.cpu_count() < 2, reason="a loader worker per rank needs 2 CPUs")
+
+
 class OnRank:
     """lm_loss, except that on `rank` at training step `step` it does `what`."""
 
@@ -309,6 +313,7 @@ def _stuck_worker(rank, world_size, root):
         return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.time() - t0}
 
 
+@TWO_CPUS
 def test_a_stuck_loader_worker_fails_the_run_at_its_first_timeout(tmp_path):
     """Not a bad sample to skip: every later batch would wait as long. The step is abandoned on both ranks
     with the cause named, and the stopped worker does not outlive the run."""
@@ -851,6 +856,7 @@ def _worker_crash(rank, world_size, root):
         return f"{type(exc).__name__}: {exc}"
 
 
+@TWO_CPUS
 def test_a_killed_dataloader_worker_is_a_clear_error_with_a_checkpoint(tmp_path):
     t0 = time.time()
     for msg in spawn(_worker_crash, 2, str(tmp_path), timeout=120):
