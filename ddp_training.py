@@ -2697,6 +2697,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def nproc_port() -> int:
+    """The rendezvous port of an --nproc run: MASTER_PORT where it is set (a port a firewall leaves open, or
+    one no other program on the machine picks), else one the kernel says is free now."""
+    text = os.environ.get("MASTER_PORT", "").strip()
+    if not text:
+        return free_port()
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise ValueError(f"MASTER_PORT={text!r} in the environment: expected a port number from 1 to 65535 "
+                         f"(or unset, for a free one)")
+    return int(text)
+
+
 class BadInput(Exception):
     """A user error found at set-up (a flag, a data file, a refused state): one `error:` line, exit 2."""
 
@@ -2778,9 +2790,10 @@ def _a_rank_died_of_the_stop(procs: list, forwarded: list) -> bool:
     return bool(forwarded) and any(p.exitcode == -forwarded[0] != -signal.SIGINT for p in procs)
 
 
-def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker, early: Optional[rt.FirstSignal] = None) -> int:
-    """Run `worker(rank, nproc, cfg, requested)` on `nproc` local processes (torch.multiprocessing, a free
-    port), for users without torchrun. Returns the exit status: 0, EXIT_PREEMPTED, EXIT_BAD_INPUT, 128 + a
+def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker, early: Optional[rt.FirstSignal] = None,
+                port: Optional[int] = None) -> int:
+    """Run `worker(rank, nproc, cfg, requested)` on `nproc` local processes (torch.multiprocessing, on `port`
+    or nproc_port()), for users without torchrun. Returns the exit status: 0, EXIT_PREEMPTED, EXIT_BAD_INPUT, 128 + a
     signal that ended a rank's set-up (Ctrl-C: 130; a second SIGTERM: 143), as a single process exits, or 1.
 
     A signal passed on to a rank between its fork and its exec is taken by the handler it inherited from
@@ -2791,8 +2804,8 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker, early: Optional[r
     here in a temporary dir), and this process prints it: rank 0 printing it could be ended by torch first,
     when a peer refused and exited before it. `early`: a stop this process caught before it got here."""
     import torch.multiprocessing as mp
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(free_port())
+    rendezvous = {var: os.environ.get(var) for var in ("MASTER_ADDR", "MASTER_PORT")}  # put back at the end
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port or nproc_port()))
     reasons = tempfile.TemporaryDirectory(prefix="ddp_training_nproc_")
     refusal = Path(reasons.name) / "error.json"  # ranks refusing for different reasons: one of them
     outer_error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
@@ -2844,10 +2857,11 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker, early: Optional[r
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if outer_error_file is None:
-            os.environ.pop("TORCHELASTIC_ERROR_FILE", None)
-        else:
-            os.environ["TORCHELASTIC_ERROR_FILE"] = outer_error_file
+        for var, value in {**rendezvous, "TORCHELASTIC_ERROR_FILE": outer_error_file}.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
         reasons.cleanup()
     return 0
 
@@ -2867,7 +2881,11 @@ def main(argv: Optional[list] = None) -> int:
     if args.nproc > 1:
         if launch["world_size"] > 1:
             return rt.refuse("--nproc spawns its own processes; do not combine it with torchrun/srun")
-        return spawn_local(args.nproc, cfg, early=rt.FirstSignal(EARLY_STOPS))
+        try:
+            port = nproc_port()
+        except ValueError as exc:
+            return rt.refuse(str(exc))
+        return spawn_local(args.nproc, cfg, early=rt.FirstSignal(EARLY_STOPS), port=port)
     return _train_and_exit_code(launch["rank"], launch["world_size"], cfg, launch["local_rank"],
                                 requested=rt.FirstSignal(EARLY_STOPS))
 

@@ -875,6 +875,31 @@ def test_cli_bad_input_exits_2_with_a_clear_message(tmp_path, argv, message):
     assert "Traceback" not in out and out.count("error:") == 1, out  # one line, from rank 0
 
 
+def nproc_env(**extra) -> dict:
+    """An --nproc run's environment, with a port of this test process's block (dist_helpers.free_ports): the
+    kernel's free port, chosen seconds before the ranks bind it, could go to another test's connection."""
+    return clean_env(MASTER_PORT=free_ports(1)[0], **extra)
+
+
+def _says_its_port(rank, world_size, cfg, requested):
+    Path(cfg["out"], f"rank_{rank}").write_text(os.environ["MASTER_PORT"])
+    rt.exit_process(0)
+
+
+def test_nproc_meets_on_master_port_where_it_is_set_and_puts_the_environment_back(tmp_path, monkeypatch):
+    import ddp_training
+    port = free_ports(1)[0]
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    assert ddp_training.spawn_local(2, {"out": str(tmp_path)}, worker=_says_its_port) == 0
+    assert [(tmp_path / f"rank_{r}").read_text() for r in (0, 1)] == [str(port)] * 2
+    assert os.environ["MASTER_PORT"] == str(port) and "MASTER_ADDR" not in os.environ
+    for bad in ("abc", "0", "70000"):
+        monkeypatch.setenv("MASTER_PORT", bad)
+        code, out = run_script_forked("ddp_training", ["--cpu", "--nproc", "2"], tmp_path, dict(os.environ))
+        assert code == 2 and f"error: MASTER_PORT={bad!r} in the environment: expected a port number" in out, out
+
+
 def _rank_1_refuses(rank, world_size, cfg, requested):
     if rank == 1:
         rt.exit_process(rt.refuse("ValueError: rank 1's shard is empty", show=False))
@@ -984,7 +1009,7 @@ def test_trainers_one_after_another_and_a_group_of_the_scripts_own_under_torchru
 @pytest.mark.multi
 def test_nproc_spawns_two_ranks_without_torchrun(tmp_path):
     r = run([sys.executable, REPO / "ddp_training.py", "--cpu", "--test", "--nproc", "2",
-             "--log_dir", "logs", "--checkpoint_dir", "ckpt"], cwd=tmp_path, timeout=180)
+             "--log_dir", "logs", "--checkpoint_dir", "ckpt"], cwd=tmp_path, timeout=180, env=nproc_env())
     check_two_rank_run(tmp_path, r)
 
 
@@ -997,7 +1022,7 @@ def test_sigterm_to_a_local_nproc_run_saves_and_exits_75(tmp_path, to_group):
     cmd = [sys.executable, REPO / "ddp_training.py", "--cpu", "--nproc", "2", "--test", "--max_steps", "100000",
            "--val_interval", "0", "--log_interval", "1", "--log_dir", "logs", "--checkpoint_dir", "ckpt",
            "--num_workers", "1" if to_group else "0"]
-    with background(cmd, tmp_path, env=clean_env()) as proc:
+    with background(cmd, tmp_path, env=nproc_env()) as proc:
         wait_for_step(tmp_path / "logs" / "metrics.jsonl", 3, timeout=90)
         if to_group:
             assert len(psutil.Process(proc.pid).children(recursive=True)) >= 4  # 2 ranks, a worker each
@@ -1047,7 +1072,7 @@ def test_a_stop_while_the_script_imports_torch_stops_it_at_step_1_with_a_save(tm
     else:
         cmd = [REPO / "ddp_training.py", "--cpu", "--test", "--log_dir", "logs", "--checkpoint_dir", "ckpt",
                *(["--nproc", "2"] if how == "nproc" else [])]
-    env = clean_env(SETUP_STOP_GRACE_S=SLOW_SET_UP_GRACE)
+    env = nproc_env(SETUP_STOP_GRACE_S=SLOW_SET_UP_GRACE)
     with background([sys.executable, *cmd], tmp_path, env=env) as proc:
         deadline = time.time() + 30
         while not catches(proc.pid, signal.SIGTERM) and time.time() < deadline:
@@ -1077,7 +1102,7 @@ def test_a_stop_to_the_group_of_a_starting_nproc_run_stops_it_at_step_1_with_a_s
     of it before they have a handler nor take the two deliveries for the 'second signal' that ends set-up."""
     cmd = [sys.executable, REPO / "ddp_training.py", "--cpu", "--nproc", "2", "--test", "--log_dir", "logs",
            "--checkpoint_dir", "ckpt"]
-    with background(cmd, tmp_path, env=clean_env(SETUP_STOP_GRACE_S=SLOW_SET_UP_GRACE)) as proc:
+    with background(cmd, tmp_path, env=nproc_env(SETUP_STOP_GRACE_S=SLOW_SET_UP_GRACE)) as proc:
         wait_until_starting(proc, tmp_path / "logs", when)
         os.killpg(proc.pid, signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)
@@ -1098,7 +1123,7 @@ def test_ctrl_c_during_the_set_up_of_an_nproc_run_is_no_success(tmp_path, when):
     imports was a traceback there and exit 1."""
     cmd = [sys.executable, REPO / "ddp_training.py", "--cpu", "--nproc", "2", "--test", "--log_dir", "logs",
            "--checkpoint_dir", "ckpt", "--dataset_size", "200000"]  # ~3 s of set-up: making and hashing the data
-    with background(cmd, tmp_path, env=clean_env()) as proc:
+    with background(cmd, tmp_path, env=nproc_env()) as proc:
         wait_until_starting(proc, tmp_path / "logs", when)
         os.killpg(proc.pid, signal.SIGINT)
         out, _ = proc.communicate(timeout=120)
