@@ -1165,7 +1165,8 @@ class DispatchLoader:
         self.dataset, self.rank, self.world_size = dataset, rank, world_size
         self.collate_fn = collate_fn or torch.utils.data.default_collate
         stream = isinstance(dataset, torch.utils.data.IterableDataset)
-        self.backstop_s = None if stream else loader_backstop_s(loader_kwargs.get("num_workers", 0),  # no workers
+        # a stream's reader runs without workers, and so without a backstop
+        self.backstop_s = None if stream else loader_backstop_s(loader_kwargs.get("num_workers", 0),
                                                                  loader_kwargs.get("timeout_s"))
         parts = _PartsCollate(self.collate_fn, world_size, together=stream)
         self.reader, problem = None, None

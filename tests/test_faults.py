@@ -923,8 +923,6 @@ def test_replicas_that_diverged_are_an_error_at_the_next_state_save_on_every_ran
 
 
 def test_sigusr1_through_the_launcher_preempts_cleanly(tmp_path):
-    import sys
-    from conftest import REPO
     env = clean_env(PYTHON=sys.executable, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     cmd = ["bash", REPO / "launch_training.sh", "--cpu", "--test", "--script", REPO / "ddp_training.py", "-l", "logs",
            "-c", "ckpt", "--", "--max_steps", "100000", "--val_interval", "0", "--resume", "none"]
