@@ -622,9 +622,12 @@ LONG = ["--cpu", "--test", "--max_steps", "150", "--val_interval", "50", "--save
         "--log_dir", "logs", "--checkpoint_dir", "ckpt"]
 
 
-def start(cmd, cwd):
-    """The command in the background (see conftest.background), with the TCP store restarts need."""
-    return background(cmd, cwd, env=clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1))
+def start(cmd, cwd, restarts=False):
+    """The command in the background (see conftest.background); with `restarts`, on the TCP store of its own
+    that a restarted gloo group needs (README). Without it the workers share the agent's store, which holds
+    its port from the start: a port the agent picks for a store of their own is free only when picked, and
+    another test's connections may take it first."""
+    return background(cmd, cwd, env=clean_env(**({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": 1} if restarts else {})))
 
 
 def run_to_end(cmd, cwd, timeout: float) -> str:
@@ -642,7 +645,7 @@ def reference_torchrun(tmp_path_factory):
 
 @pytest.mark.multi
 def test_sigkill_a_worker_under_max_restarts_finishes_bit_identical(tmp_path, reference_torchrun):
-    with start(torchrun(2, "ddp_training.py", *LONG, extra=["--max-restarts=1"]), tmp_path) as agent:
+    with start(torchrun(2, "ddp_training.py", *LONG, extra=["--max-restarts=1"]), tmp_path, restarts=True) as agent:
         wait_for_step(tmp_path / "logs" / "metrics.jsonl", 35)
         torchrun_workers(agent)[1].kill()  # SIGKILL: no handler runs, no checkpoint is written
         out, _ = agent.communicate(timeout=180)
