@@ -46,8 +46,9 @@ them, and would die without a save. A stop before torchrun starts (while the GPU
 nothing ran. Workers get TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default here 300, torchrun's own default
 is 30) to finish before torchrun kills them.
 
-Environment: PYTHON (default python3) counts the GPUs where nvidia-smi cannot and, with no torchrun on
-PATH, runs torch.distributed.run: with a virtual environment that is not activated, PYTHON=.venv/bin/python.
+Environment: PYTHON, when set, runs torchrun (python -m torch.distributed.run) and so the workers; unset,
+the torchrun on PATH runs, else python3's. It also counts the GPUs where nvidia-smi cannot. With a virtual
+environment that is not activated: PYTHON=.venv/bin/python.
 
 Exit status: 0 the run finished; 75 the run was stopped by a signal and left a PREEMPTED marker in its log
 dir (relaunch the same command to resume); 2 bad arguments, to this script or to the training script (a flag,
@@ -266,9 +267,15 @@ if (( debug )); then
 fi
 args+=("${script_args[@]+"${script_args[@]}"}")
 
-if command -v torchrun >/dev/null 2>&1; then
+has_torch() { "$python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)' 2>/dev/null; }
+# A PYTHON that is set runs the workers: a torchrun found first on PATH may belong to another environment
+# (a system-wide torch), whose Python would then run the script without this environment's packages.
+if [[ -n "${PYTHON:-}" ]]; then
+    has_torch || die "PYTHON=$python cannot import torch: set PYTHON to the python of the environment that has torch"
+    launcher=("$python" -m torch.distributed.run)
+elif command -v torchrun >/dev/null 2>&1; then
     launcher=(torchrun)
-elif "$python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)' 2>/dev/null; then
+elif has_torch; then
     launcher=("$python" -m torch.distributed.run)
 else  # typically a virtual environment that is not activated
     die "no torchrun on PATH, and $python cannot import torch: activate the environment that has torch," \

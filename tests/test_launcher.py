@@ -42,10 +42,11 @@ def fake_bin(tmp_path) -> Path:
 
 
 def launch(argv, cwd, bin_dir, timeout=30, launcher=LAUNCHER, **env):
-    """The launcher with `bin_dir` first on PATH and the test's Python as PYTHON."""
+    """The launcher with `bin_dir` first on PATH, then the test's Python (as python3: PYTHON unset, the launcher
+    takes the torchrun on PATH)."""
     path = f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin"
     return run(["bash", launcher, *argv], cwd=cwd, timeout=timeout,
-               env=clean_env(PATH=path, PYTHON=sys.executable, **env))
+               env=clean_env(PATH=path, **env))
 
 
 def fake_nvidia_smi(bin_dir: Path, gpus: int) -> None:
@@ -104,6 +105,20 @@ def test_gpus_are_counted_by_torch_without_a_working_nvidia_smi(tmp_path, fake_b
     assert r.returncode == 0 and "falling back to the CPU" in r.stdout and "[--device][cpu]" in r.stdout, r.stdout
 
 
+def test_a_set_python_runs_torchrun_itself_not_the_torchrun_on_path(tmp_path, fake_bin):
+    """PYTHON=.venv/bin/python with another environment's torchrun first on PATH: that torchrun's Python would
+    run the workers without the venv's packages (from a review)."""
+    python = executable(tmp_path / "venv" / "python",
+                        '#!/bin/sh\nif [ "$1 $2" = "-m torch.distributed.run" ]; then shift 2; echo "venv torchrun"; '
+                        f'printf "[%s]" "$@"; echo; exit 0; fi\nexec {sys.executable} "$@"\n')
+    r = launch(["--cpu"], tmp_path, fake_bin, PYTHON=python)
+    assert r.returncode == 0 and "venv torchrun" in r.stdout and "grace=" not in r.stdout, r.stdout
+    assert "[--standalone][--nproc_per_node][2]" in r.stdout, r.stdout
+    # a PYTHON without torch is an error naming it, not a fall back to the torchrun on PATH
+    no_torch = executable(tmp_path / "bare" / "python", "#!/bin/sh\nexit 1\n")
+    failed(launch(["--cpu"], tmp_path, fake_bin, PYTHON=no_torch), f"PYTHON={no_torch} cannot import torch")
+
+
 @pytest.mark.parametrize("visible, expected", [("-1", None), ("", None), ("1,-1,0", "1"), ("0,1,2,3,4,5", "0,1,2,3"),
                                                ("GPU-8f2c,GPU-77aa", "GPU-8f2c,GPU-77aa"),
                                                # from a review: CUDA sees no GPU, and one, where 2 were planned
@@ -150,8 +165,7 @@ def test_sighup_sigquit_and_sigint_reach_torchrun_as_sigterm(tmp_path, fake_bin,
     then = ('trap "echo TERM > got; exit 1" TERM; trap "echo HUP > got; exit 1" HUP; '
             'trap "echo QUIT > got; exit 1" QUIT; trap "echo INT > got; exit 1" INT; touch ready; '
             'while :; do sleep 0.1; done')
-    env = clean_env(PATH=f"{fake_bin}:{Path(sys.executable).parent}:/usr/bin:/bin", PYTHON=sys.executable,
-                    FAKE_TORCHRUN_THEN=then)
+    env = clean_env(PATH=f"{fake_bin}:{Path(sys.executable).parent}:/usr/bin:/bin", FAKE_TORCHRUN_THEN=then)
     with background(["bash", LAUNCHER, "--cpu"], tmp_path, env=env) as proc:
         deadline = time.time() + 20
         while not (tmp_path / "ready").exists():
@@ -166,7 +180,7 @@ def test_a_stop_while_the_gpus_are_counted_exits_75_before_torchrun_starts(tmp_p
     """The launcher set its traps only after counting the GPUs (seconds when torch has to count them): a
     SIGTERM there ended it with 143 and no word (from a review)."""
     executable(fake_bin / "nvidia-smi", "#!/bin/sh\ntouch ready\nsleep 1\necho 0\n")
-    env = clean_env(PATH=f"{fake_bin}:{Path(sys.executable).parent}:/usr/bin:/bin", PYTHON=sys.executable)
+    env = clean_env(PATH=f"{fake_bin}:{Path(sys.executable).parent}:/usr/bin:/bin")
     with background(["bash", LAUNCHER, "--test"], tmp_path, env=env) as proc:
         deadline = time.time() + 20
         while not (tmp_path / "ready").exists():
@@ -269,7 +283,7 @@ def test_a_preempted_run_exits_75_when_its_output_reader_is_gone(tmp_path, fake_
     path = f"{fake_bin}:{Path(sys.executable).parent}:/usr/bin:/bin"
     proc = subprocess.Popen(["bash", LAUNCHER, "--cpu"], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
-                            env=clean_env(PATH=path, PYTHON=sys.executable, FAKE_TORCHRUN_THEN=then))
+                            env=clean_env(PATH=path, FAKE_TORCHRUN_THEN=then))
     watchdog = threading.Timer(60, proc.kill)  # ends the read below if the launcher hangs without a word
     watchdog.start()
     try:

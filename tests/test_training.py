@@ -1201,12 +1201,16 @@ def test_launcher_syntax_help_and_errors(tmp_path):
                           (["--nnodes", "2"], "needs --master-addr")]:
         r = run(launcher + argv, cwd=REPO, env=env)
         assert r.returncode == 2 and message in r.stdout, (argv, r.stdout)
-    # no torchrun on PATH and a Python without torch (a venv not activated): said before anything starts
+    # a PYTHON without torch (a venv not activated): said before anything starts
     (tmp_path / "python").write_text("#!/bin/sh\nexit 1\n")
     (tmp_path / "python").chmod(0o755)
     r = run(launcher + ["--cpu"], cwd=REPO, env={**env, "PYTHON": str(tmp_path / "python")})
-    assert r.returncode == 2 and f"no torchrun on PATH, and {tmp_path / 'python'} cannot import torch" in r.stdout, \
-        r.stdout
+    assert r.returncode == 2 and f"PYTHON={tmp_path / 'python'} cannot import torch" in r.stdout, r.stdout
+    # PYTHON unset, no torchrun on PATH and a python3 without torch
+    (tmp_path / "py3").mkdir()
+    os.symlink(tmp_path / "python", tmp_path / "py3" / "python3")
+    r = run(launcher + ["--cpu"], cwd=REPO, env={**env, "PATH": f"{tmp_path / 'py3'}:/usr/bin:/bin"})
+    assert r.returncode == 2 and "no torchrun on PATH, and python3 cannot import torch" in r.stdout, r.stdout
     r = run(launcher + ["--gpus", "0"], cwd=REPO, env={**env, "PYTHON": str(tmp_path / "python")})
     assert r.returncode == 2 and f"no nvidia-smi, and {tmp_path / 'python'} cannot import torch to count the " \
                                  f"GPUs: none counted" in r.stdout and "GPU 0 does not exist" in r.stdout, r.stdout
