@@ -387,23 +387,32 @@ def test_a_batch_whose_hand_over_hangs_fails_at_the_backstop_instead_of_hanging_
 
 
 class FreezesItsWorker(torch.utils.data.Dataset):
+    """Its worker freezes in the second batch, once the first has reached the main process (`received`
+    exists): a worker frozen before its queue's feeder thread sent the first batch would hold that too."""
+    def __init__(self, received: Path):
+        self.received = received
+
     def __len__(self):
         return 64
 
     def __getitem__(self, i):
         if i >= 4 and torch.utils.data.get_worker_info() is not None:
-            time.sleep(1)  # the queue's feeder thread sends the first batch on first
+            deadline = time.time() + 60
+            while not self.received.exists() and time.time() < deadline:
+                time.sleep(0.01)
             os.kill(os.getpid(), signal.SIGSTOP)
         return torch.tensor(float(i))
 
 
-def test_a_frozen_worker_is_killed_first_when_its_loader_stops(no_launch_env):
+def test_a_frozen_worker_is_killed_first_when_its_loader_stops(tmp_path, no_launch_env):
     """The shutdown waited 5 s for each frozen worker and, with pin_memory, for ever for the pin thread
     blocked in the hand-over of a batch such a worker had queued (from a review)."""
-    loader = rt.build_dataloader(FreezesItsWorker(), 4, train=False, rank=0, world_size=1, seed=0, num_workers=1,
-                                 timeout_s=30)
+    received = tmp_path / "received"
+    loader = rt.build_dataloader(FreezesItsWorker(received), 4, train=False, rank=0, world_size=1, seed=0,
+                                 num_workers=1, timeout_s=30)
     batches = iter(loader)
     assert next(batches).tolist() == [0.0, 1.0, 2.0, 3.0]
+    received.touch()
     (worker,) = batches._workers
     deadline = time.time() + 30
     while psutil.Process(worker.pid).status() != psutil.STATUS_STOPPED:
