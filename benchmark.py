@@ -15,11 +15,13 @@ import argparse
 import contextlib
 import functools
 import gc
+import hashlib
 import io
 import json
 import math
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -37,7 +39,7 @@ import config
 import ddp_runtime as rt
 import training_logs
 from ddp_training import (CausalLM, DDPTrainer, TrainConfig, amp_dtype_for, build_optimizer, build_scheduler,
-                          peak_bf16_flops, spawn_local, synthetic_lm_data)
+                          peak_bf16_flops, pins_host_memory, spawn_local, synthetic_lm_data)
 
 REPO = Path(__file__).resolve().parent
 DEFAULTS = TrainConfig()  # the trainer's defaults, read here so they are written only once
@@ -194,16 +196,56 @@ def child_env(threads):
     return env
 
 
-def run_child(cmd, threads, timeout, log_path, ok=None):
-    """Run a command to completion with its output in log_path; raise with the tail of it on failure, unless
-    ok() says the run did its work anyway. Returns the exit status."""
+class RunTimeout(RuntimeError):
+    """A child run went past --timeout; it and every process it had started were killed."""
+
+
+def kill_family(pid):
+    """SIGKILL a process and everything it started: its descendants (ranks, DataLoader workers, which outlive
+    a killed parent) and its process group (those whose parent has exited already)."""
+    try:
+        family = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    for p in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+
+
+def run_bounded(cmd, timeout, what, **popen):
+    """Run `cmd` in the repository, in a session of its own, for at most `timeout` seconds; past that, or when
+    this process stops waiting for another reason (Ctrl-C), the command and all it started are killed.
+    Returns (exit status, stdout, stderr) as Popen.communicate gives them."""
+    cmd = [str(c) for c in cmd]
+    proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True, **popen)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException as exc:
+        kill_family(proc.pid)
+        proc.communicate()
+        if isinstance(exc, subprocess.TimeoutExpired):
+            raise RunTimeout(f"{what} did not finish within --timeout {timeout:g} s; it was killed with every "
+                             f"process it had started") from None
+        raise
+    return proc.returncode, out, err
+
+
+def run_child(cmd, threads, timeout, log_path, what, ok=None):
+    """Run a command to completion with its output in log_path (killed past `timeout`, see run_bounded); raise
+    with the tail of its output on failure, unless ok() says the run did its work anyway. Returns the exit
+    status."""
     with open(log_path, "w") as log:
-        proc = subprocess.run([str(c) for c in cmd], cwd=REPO, env=child_env(threads), stdout=log,
-                              stderr=subprocess.STDOUT, timeout=timeout)
-    if proc.returncode != 0 and not (ok and ok()):
-        tail = Path(log_path).read_text()[-3000:]
-        raise RuntimeError(f"exit {proc.returncode}: {' '.join(map(str, cmd))}\n{tail}")
-    return proc.returncode
+        try:
+            rc, _, _ = run_bounded(cmd, timeout, what, env=child_env(threads), stdout=log, stderr=subprocess.STDOUT)
+        except RunTimeout as exc:
+            tail = Path(log_path).read_text(errors="replace")[-3000:]
+            raise RunTimeout(f"{exc}" + (f"; its output ended:\n{tail}" if tail.strip() else "")) from None
+    if rc != 0 and not (ok and ok()):
+        tail = Path(log_path).read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"{what}: exit {rc}: {' '.join(map(str, cmd))}\n{tail}")
+    return rc
 
 
 def last_line(path, containing):
@@ -246,13 +288,15 @@ def add_model_flags(p, batch_size=DEFAULTS.batch_size):
 # overhead: DDPTrainer vs a bare loop, same model, batches, optimizer and threads
 
 
-def bare_loop(model, raw_model, loader, total, cfg, device=torch.device("cpu"), timed_from=None, read_loss=False):
+def bare_loop(model, raw_model, loader, total, cfg, device=torch.device("cpu"), timed_from=None, read_loss=False,
+              at_window_start=None):
     """A plain training loop over `loader`: forward, mean cross-entropy, backward, the trainer's clipping,
     AdamW and LR schedule. `model` may be a DDP wrapper of `raw_model`. Returns end-of-step times and the
     last loss. On CUDA it takes the trainer's fast paths (its autocast dtype, fused AdamW, non-blocking copies
     from pinned batches) and waits for the device only at the ends of the timed window, after step
     `timed_from` and the last one: a bare loop at its fastest, with no host sync per step, unless `read_loss`
-    (loss.item() after every step, as a loop that logs every step does)."""
+    (loss.item() after every step, as a loop that logs every step does). `at_window_start()`, if given, runs
+    after step `timed_from`, before its end is stamped."""
     amp = amp_dtype_for(cfg, device)
     if amp == torch.float16:
         raise SystemExit("error: the bare loop has no GradScaler, so it runs bf16 or fp32 only: pass --precision "
@@ -278,6 +322,8 @@ def bare_loop(model, raw_model, loader, total, cfg, device=torch.device("cpu"), 
             loss.item()
         if step + 1 in (timed_from, total):
             sync(device)
+        if step + 1 == timed_from and at_window_start is not None:
+            at_window_start()
         times.append(time.perf_counter())
     if len(times) != total:
         raise RuntimeError(f"the loader gave {len(times)} batches, {total} needed")
@@ -297,7 +343,7 @@ def bare_run(cfg, data, warmup, read_loss=False):
     raw = build_lm(cfg).to(device)
     model = torch.compile(raw) if cfg.compile else raw
     loader = rt.build_dataloader(data.train, cfg.batch_size, train=True, rank=0, world_size=1, seed=cfg.seed,
-                                 pin_memory=cfg.pin_memory and device.type == "cuda")
+                                 pin_memory=pins_host_memory(cfg, device))
     return bare_loop(model, raw, loader, cfg.max_steps, cfg, device, timed_from=warmup, read_loss=read_loss)
 
 
@@ -437,7 +483,7 @@ def scaling_run(args, nproc, run_dir, dataset_size):
     start = time.perf_counter()
     # A run that trained, validated and wrote its summary but then failed on the way out still timed its steps;
     # its exit status is kept in the figures (see BENCHMARKS.md: an abort at interpreter exit)
-    rc = run_child(cmd, args.threads, args.timeout, run_dir / "output.log",
+    rc = run_child(cmd, args.threads, args.timeout, run_dir / "output.log", f"DDPTrainer on {nproc} process(es)",
                    ok=lambda: completed(run_dir / "logs", total))
     wall = time.perf_counter() - start
     if rc:
@@ -451,13 +497,30 @@ def scaling_run(args, nproc, run_dir, dataset_size):
             "step_ms_sd": step_spread_ms(times, args.warmup), "exit_code": rc}
 
 
+def file_barrier(folder, rank, world_size, timeout):
+    """Return once every rank has called this: each leaves a file in `folder` and polls for the others'. For
+    ranks that share no process group; it runs once, outside any timed window."""
+    folder = Path(folder)
+    (folder / f"ready_rank{rank}").touch()
+    deadline = time.monotonic() + timeout
+    while len(list(folder.glob("ready_rank*"))) < world_size:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rank {rank}: the other ranks did not reach the start of the timed window within "
+                               f"--timeout {timeout:g} s")
+        time.sleep(0.001)
+
+
 def bare_ddp_worker(rank, world_size, spec, _requested=None):
     """One rank of the bare loop under DDP (gloo), sharded like the trainer; every rank writes its step times.
     With spec["independent"] the ranks share nothing: no process group, no DDP, each trains on its own shard
-    (what N processes reach on this machine when communication costs nothing)."""
+    (what N processes reach on this machine when communication costs nothing). Those ranks start their timed
+    window together (a file barrier after the warm-up): one that ran alone for a while would be faster."""
     torch.set_num_threads(spec["threads"])
     cfg = TrainConfig.from_dict(spec["cfg"])
     grouped = world_size > 1 and not spec.get("independent")
+    together = None
+    if world_size > 1 and not grouped:
+        together = functools.partial(file_barrier, spec["out"], rank, world_size, spec["barrier_s"])
     if grouped:
         rt.setup_distributed(rank, world_size, backend="gloo", device="cpu")
     try:
@@ -467,7 +530,8 @@ def bare_ddp_worker(rank, world_size, spec, _requested=None):
             raw, gradient_as_bucket_view=True, bucket_cap_mb=cfg.bucket_cap_mb)
         loader = rt.build_dataloader(data.train, cfg.batch_size, train=True, rank=rank, world_size=world_size,
                                      seed=cfg.seed)
-        times, _ = bare_loop(model, raw, loader, cfg.max_steps, cfg)
+        times, _ = bare_loop(model, raw, loader, cfg.max_steps, cfg, timed_from=spec["warmup"],
+                             at_window_start=together)
         (Path(spec["out"]) / f"times_rank{rank}.json").write_text(json.dumps(times))
     except BaseException:
         rt.teardown_distributed()
@@ -476,18 +540,28 @@ def bare_ddp_worker(rank, world_size, spec, _requested=None):
     rt.exit_process(0)  # as the trainer's ranks do: gloo's C++ destructors can abort a finished process
 
 
-def bare_scaling_run(args, nproc, run_dir, cfg, independent=False):
-    """`nproc` ranks of the bare loop, spawned from this process with torch.multiprocessing on a free port (what
-    --nproc does for the trainer); one process runs without a process group, like the trainer's."""
-    import benchmark  # the ranks import this module by name, also when it runs as __main__
-    run_dir.mkdir(parents=True)
-    spec = {"threads": args.threads, "cfg": cfg, "out": str(run_dir), "independent": independent}
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the ranks keep the thread count they are given
+def bare_spawn(spec):
+    """Runs in a child interpreter (see bare_scaling_run): spec["nproc"] ranks of the bare loop, spawned with
+    torch.multiprocessing on a free port (what --nproc does for the trainer); one process runs without a
+    process group, like the trainer's. Writes the ranks' wall time to wall.json; returns the exit status."""
+    import benchmark  # the ranks import this module by name
     start = time.perf_counter()
-    rc = spawn_local(nproc, spec, worker=benchmark.bare_ddp_worker)
-    if rc:
-        raise RuntimeError(f"the bare loop on {nproc} processes exited {rc}")
-    wall = time.perf_counter() - start
+    rc = spawn_local(spec["nproc"], spec, worker=benchmark.bare_ddp_worker)
+    (Path(spec["out"]) / "wall.json").write_text(json.dumps(time.perf_counter() - start))
+    return rc
+
+
+def bare_scaling_run(args, nproc, run_dir, cfg, independent=False):
+    """The bare loop on `nproc` processes (bare_spawn), from a child interpreter that --timeout bounds as it
+    bounds the trainer's runs: past it, the child and its ranks are killed and RunTimeout says so."""
+    run_dir.mkdir(parents=True)
+    spec = {"threads": args.threads, "cfg": cfg, "out": str(run_dir), "independent": independent, "nproc": nproc,
+            "warmup": args.warmup, "barrier_s": args.timeout}
+    what = f"the bare loop{'s without communication' if independent else ''} on {nproc} process(es)"
+    cmd = [sys.executable, "-c", "import benchmark, json, sys; sys.exit(benchmark.bare_spawn(json.loads(sys.argv[1])))",
+           json.dumps(spec)]
+    run_child(cmd, args.threads, args.timeout, run_dir / "output.log", what)  # OMP_NUM_THREADS: the ranks keep it
+    wall = json.loads((run_dir / "wall.json").read_text())
     # Synchronous training runs at the pace of its slowest rank: that is what the ranks that share nothing
     # can bound (under DDP the ranks keep pace with each other, so their rates agree)
     times = [json.loads((run_dir / f"times_rank{r}.json").read_text()) for r in range(nproc)]
@@ -523,10 +597,13 @@ def cmd_scaling(args):
                           nproc=args.nproc, warmup=args.warmup, steps=args.steps, repeats=args.repeats,
                           trainer_set=parse_settings(args.trainer_set),
                           dataset_size=dataset_size, backend="gloo",
-                          launcher="python ddp_training.py --cpu --nproc N (torch.multiprocessing spawn, free port)"),
+                          launcher="python ddp_training.py --cpu --nproc N (torch.multiprocessing spawn, free port)",
+                          timeout_s=args.timeout),
            "timed": (f"steps {args.warmup + 1}..{total}: from the end of step {args.warmup} to the end of step {total} "
                      f"on rank 0 (the trainer's metrics.jsonl 'time' field), on every rank by its own clock for the "
-                     f"bare loops, of which the slowest counts (the DDP ranks keep pace anyway); wall time: "
+                     f"bare loops, of which the slowest counts (the DDP ranks keep pace anyway; the ranks without "
+                     f"communication start their windows together, at a file barrier after step {args.warmup}); "
+                     f"wall time: "
                      f"the trainer's whole command (start-up, data, training, final validation and checkpoint), the "
                      f"bare loop's spawned processes (start-up, data, training)")}
     bare_cfg = dict(lm_config(args), batch_size=args.batch_size, dataset_size=dataset_size, max_steps=total,
@@ -680,8 +757,9 @@ def loader_figures(spec):
     def open_loader(size):
         ds = VJ2TrajectoryDataset(spec["data_dirs"][size], **kwargs)
         loader = rt.build_dataloader(ds, spec["batch_size"], train=True, rank=0, world_size=1, seed=0,
-                                     num_workers=spec["workers"])
-        info = {"workers": loader.num_workers, "trajectories": len(ds), "max_open_files": ds.max_open_files,
+                                     num_workers=spec["workers"], pin_memory=spec["pin_memory"])
+        info = {"workers": loader.num_workers, "pin_memory": loader.pin_memory, "trajectories": len(ds),
+                "max_open_files": ds.max_open_files,
                 "bytes": sum(Path(p).stat().st_size for p in ds.files)}
         return ds, loader, info
 
@@ -705,10 +783,20 @@ def probe(spec, timeout):
     and its DataLoader workers are started the way a training script's would be."""
     cmd = [sys.executable, "-c", "import benchmark, json, sys; print(json.dumps(benchmark.loader_figures("
                                  "json.loads(sys.argv[1]))))", json.dumps(spec)]
-    proc = subprocess.run(cmd, cwd=REPO, env=child_env(1), capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"loader probe {spec} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    rc, out, err = run_bounded(cmd, timeout, f"the loader probe with {spec['workers']} worker(s)", env=child_env(1),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if rc != 0:
+        raise RuntimeError(f"loader probe {spec} failed (exit {rc}):\n{err[-3000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def worker_plan(requested):
+    """{workers used: [requested counts]} in the order first requested: build_dataloader caps a count at the
+    CPUs one process may use (ddp_runtime.capped_workers), so counts above that run as the cap, once."""
+    plan = {}
+    for w in requested:
+        plan.setdefault(rt.capped_workers(w, 1, 1), []).append(w)
+    return plan
 
 
 def consumer_rate(args, data_dir):
@@ -768,9 +856,12 @@ def cmd_loader(args):
     check_device(args.device)
     geometry = dict(steps=args.steps, patches=args.patches, embed_dim=args.embed_dim,
                     actions_per_step=args.actions_per_step, channels=args.channels)
-    workers = args.workers
+    plan = worker_plan(args.workers)
+    capped = {str(w): used for used, asked in plan.items() for w in asked if w != used}
+    pin = pins_host_memory(DEFAULTS, torch.device(args.device))
     out = {"command": "loader", "env": environment(args.device),
-           "config": dict(geometry, dtype="float16", batch_size=args.batch_size, workers=workers, device=args.device,
+           "config": dict(geometry, dtype="float16", batch_size=args.batch_size, workers=args.workers,
+                          workers_used=list(plan), workers_capped=capped, pin_memory=pin, device=args.device,
                           preset=args.preset,
                           files_1x=args.files, files_3x=3 * args.files, trajectories_per_file=args.traj_per_file,
                           max_open_files=args.max_open_files, rss_epochs=args.rss_epochs, threads=args.threads,
@@ -796,12 +887,12 @@ def cmd_loader(args):
         consumer = consumer_rate(args, sets["3x"])
         say(f"training step: {consumer['samples_per_s']:.2f} samples/s ({consumer['model']})")
         base = dict(batch_size=args.batch_size, max_open_files=args.max_open_files, warm_epochs=args.warm_epochs,
-                    rss_epochs=args.rss_epochs)
+                    rss_epochs=args.rss_epochs, pin_memory=pin)
         rates, memory = [], []
-        for w in workers:
+        for w, asked in plan.items():
             res = probe(dict(base, data_dirs={k: str(v) for k, v in sets.items()}, workers=w), args.timeout)
             memory += res["memory"]
-            r = res["rate"]
+            r = dict(res["rate"], requested_workers=asked)
             r["cold_vs_step"] = r["cold_samples_per_s"] / consumer["samples_per_s"]
             r["warm_vs_step"] = r["warm_samples_per_s"] / consumer["samples_per_s"]
             rates.append(r)
@@ -815,9 +906,9 @@ def cmd_loader(args):
     out["target_margin"] = TARGET_LOADER_MARGIN
     out["meets_rate_target"] = None if one is None else one["cold_vs_step"] >= TARGET_LOADER_MARGIN
     growth = []
-    for w in workers:
-        runs = [m for m in memory if m["workers"] == min(w, rt.cpu_count())]
-        row = {"workers": w}
+    for w, asked in plan.items():
+        runs = [m for m in memory if m["workers"] == w]
+        row = {"workers": w, "requested_workers": asked}
         for kind in ("anon", "rss"):
             for m in runs:
                 row[f"{kind}_peak_mb_{m['size']}"] = max([m["main_peak_mb"][kind]]
@@ -829,9 +920,13 @@ def cmd_loader(args):
         return all(g[f"{kind}_peak_mb_3x"] <= 1.1 * g[f"{kind}_peak_mb_1x"] + 16 for g in growth)
     out["memory_flat"], out["rss_flat"] = flat("anon"), flat("rss")
 
-    t1 = markdown(["workers", "cold samples/s", "warm samples/s", "cold / step", "warm / step"],
-                  [[r["workers"], f"{r['cold_samples_per_s']:.1f}", f"{r['warm_samples_per_s']:.1f}",
-                    f"{r['cold_vs_step']:.1f}x", f"{r['warm_vs_step']:.1f}x"] for r in rates])
+    t1 = markdown(["workers", "requested", "cold samples/s", "warm samples/s", "cold / step", "warm / step"],
+                  [[r["workers"], ",".join(map(str, r["requested_workers"])), f"{r['cold_samples_per_s']:.1f}",
+                    f"{r['warm_samples_per_s']:.1f}", f"{r['cold_vs_step']:.1f}x", f"{r['warm_vs_step']:.1f}x"]
+                   for r in rates])
+    if capped:
+        t1 += (f"\n\n--workers {', '.join(f'{w} ran as {used}' for w, used in capped.items())}: build_dataloader "
+               f"caps workers at the CPUs one process may use ({rt.cpus_per_rank(1, 1)} here)")
     rows = []
     for m in memory:
         procs = [("main", m["main_peak_mb"])] + [(f"worker {i}", p) for i, p in enumerate(m["worker_peak_mb"])]
@@ -845,7 +940,8 @@ def cmd_loader(args):
              f"{validation['seconds']:.3f} s, {validation['gib_per_s']:.2f} GiB/s from the page cache\n\n{t1}\n\n"
              f"target: one worker >= {TARGET_LOADER_MARGIN:g}x the step's rate (cold cache): "
              f"{'met' if out['meets_rate_target'] else 'missed' if one else 'not measured (no 1-worker run)'}\n\n"
-             f"{t2}\n\nanon = rss - shared (psutil): memory that is neither file-backed nor shared. The dataset "
+             f"{t2}\n\nbatches in page-locked memory (pin_memory, the trainer's rule on {args.device}): {pin}. "
+             f"anon = rss - shared (psutil): memory that is neither file-backed nor shared. The dataset "
              f"reads trajectories ({traj_mib:.1f} MiB each) by offset from at most max_open_files = "
              f"{rates[0]['max_open_files'] if rates else '?'} open files per process, mapping none. From 1x to 3x, "
              f"anon does not grow: {'yes' if out['memory_flat'] else 'NO'}; rss does not grow: "
@@ -878,13 +974,39 @@ def payloads(hidden, layers, heads, seq_len, vocab, run_dir, device):
     return trainer.raw_model, trainer.checkpoint_payload(), trainer.state_payload()
 
 
+def write_file(obj, path, durable=True):
+    """The write itself: serialise into a file (and fsync it), no rename, no hash."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def copy_then_write(obj, path, repeats, pin):
+    """What the background writer does with a payload: a host copy (host_snapshot, page-locked where the
+    trainer pins), then the write of that copy. Median seconds of each part."""
+    copies, writes = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        host = rt.host_snapshot(obj, pin=pin)
+        copied = time.perf_counter()
+        write_file(host, path)
+        writes.append(time.perf_counter() - copied)
+        copies.append(copied - start)
+        del host
+    return statistics.median(copies), statistics.median(writes)
+
+
+def hash_in_memory_s(obj, repeats):
+    """SHA-256 of `obj` serialized, the bytes already in memory: what atomic_save adds by hashing as it writes."""
+    serialized = io.BytesIO()
+    torch.save(obj, serialized)
+    return timed(lambda: hashlib.sha256(serialized.getbuffer()), repeats)
+
+
 def save_load(obj, path, repeats, device):
-    def write(durable):  # the write itself: serialise into a file (and fsync it), no rename, no hash
-        with open(path.with_suffix(".plain"), "wb") as f:
-            torch.save(obj, f)
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
+    plain = path.with_suffix(".plain")
     res = {"snapshot_s": timed(lambda: rt.host_snapshot(obj), repeats)}
     if device.type == "cuda":  # the trainer's default there: page-locked copies (pin_memory)
         empty = getattr(torch.accelerator, "empty_host_cache", None)  # torch >= 2.13; before, the first in the process
@@ -892,18 +1014,24 @@ def save_load(obj, path, repeats, device):
             empty()
         res["snapshot_pinned_first_s"] = timed(lambda: rt.host_snapshot(obj, pin=True), 1)
         res["snapshot_pinned_s"] = timed(lambda: rt.host_snapshot(obj, pin=True), repeats)
+    # the write figures are of a host copy, as the background writer writes one (on CUDA, torch.save of the
+    # live payload would time its device-to-host copies too); write_live_s is of the payload itself, as
+    # atomic_save writes it in a synchronous save
+    host = rt.host_snapshot(obj)
+    res["copy_s"], res["write_s"] = copy_then_write(obj, plain, repeats, pins_host_memory(DEFAULTS, device))
     res.update({
-           "serialize_s": timed(lambda: torch.save(obj, io.BytesIO()), repeats),
-           "write_nofsync_s": timed(lambda: write(False), repeats),
-           "write_s": timed(lambda: write(True), repeats),
+           "serialize_s": timed(lambda: torch.save(host, io.BytesIO()), repeats),
+           "write_nofsync_s": timed(lambda: write_file(host, plain, durable=False), repeats),
+           "write_live_s": timed(lambda: write_file(obj, plain), repeats),
+           "hash_s": hash_in_memory_s(host, repeats),
            "save_s": timed(lambda: rt.atomic_save(obj, path), repeats),
            "sha256_s": timed(lambda: rt.sha256_file(path), repeats),
            "load_s": timed(lambda: rt.load_checkpoint(path), repeats),
            "load_noverify_s": timed(lambda: rt.load_checkpoint(path, verify=False), repeats),
            "bytes": path.stat().st_size})
-    # what atomic_save does beyond the durable write and the hash: rename, the sidecar (write, fsync, rename)
-    # and two directory fsyncs
-    res["rest_s"] = max(0.0, res["save_s"] - res["write_s"] - res["sha256_s"])
+    # atomic_save = the write of the live payload, hashed as it goes (hash_s: the same bytes hashed in memory),
+    # then the rename, the sidecar (write, fsync, rename) and two directory fsyncs: the rest
+    res["rest_s"] = max(0.0, res["save_s"] - res["write_live_s"] - res["hash_s"])
     return res
 
 
@@ -938,6 +1066,8 @@ def in_loop_blocking(args, hidden, layers, heads, run_dir, background, pin=True)
                 finally:
                     calls.append((_name, a[0] if a else None, time.perf_counter() - start))
             setattr(trainer, name, timed_call)
+        written = {}  # save point (global step) -> when the last of its files was written (time.monotonic)
+        trainer.writer.save = functools.partial(note_written, trainer.writer.save, written)
         trainer.train()
     # a loop save is save_checkpoint("step_N") and the save_state call right after it
     events = [c[2] + n[2] for c, n in zip(calls, calls[1:])
@@ -946,10 +1076,42 @@ def in_loop_blocking(args, hidden, layers, heads, run_dir, background, pin=True)
     periods = {k + 1: times[k] - times[k - 1] for k in range(2, len(times))}  # period ending at step k+1
     with_save = [p for step, p in periods.items() if (step - 1) % every == 0]
     plain = [p for step, p in periods.items() if (step - 1) % every != 0]
+    saves = range(every, total, every)
+    done = {s: written[s] - trainer.t0 for s in saves}  # on the clock of metrics.jsonl's 'time'
     return {"steps": total, "save_every_iters": every, "batch_size": args.loop_batch, "saves": len(events),
             "blocked_s": statistics.median(events), "blocked_runs": events,
             "step_s": statistics.median(plain), "step_with_save_s": statistics.median(with_save),
-            "period_blocked_s": statistics.median(with_save) - statistics.median(plain)}
+            "period_blocked_s": statistics.median(with_save) - statistics.median(plain),
+            **write_window_cost(times, periods, done)}
+
+
+def note_written(save, written, payload, path, group=None, then=None, again=False):
+    """CheckpointWriter.save, noting in `written[group]` when each file of the save point has been written
+    (its `then` runs right after the write, in the writer's thread or, synchronous, in the loop's)."""
+    def after_write():
+        if then is not None:
+            then()
+        written[group] = time.monotonic()
+    return save(payload, path, group=group, then=after_write, again=again)
+
+
+def write_window_cost(times, periods, done):
+    """What each save costs the loop until its files are on disk: a background write that outlasts a step
+    slows the next ones too. A save at step s has a window of steps s+1..e, e the first step to end after
+    its last file was written; its cost is the time of those steps minus as many baseline steps, the median
+    of the periods (from step 3) in no window. `done`: save step -> when its writes ended; `times[k]`: the
+    end of step k+1. A window that the run's end cuts short is left out (None in window_steps)."""
+    windows = {}
+    for s, end in done.items():
+        windows[s] = next((k for k in range(s + 1, len(times) + 1) if times[k - 1] >= end), None)
+    busy = {k for s, e in windows.items() for k in range(s + 1, (e or len(times)) + 1)}
+    clean = [p for step, p in periods.items() if step not in busy]
+    base = statistics.median(clean) if clean else None
+    costs = [times[e - 1] - times[s - 1] - (e - s) * base for s, e in windows.items() if e and base is not None]
+    return {"write_done_s": statistics.median(end - times[s - 1] for s, end in done.items()),
+            "window_steps": [e - s if e else None for s, e in windows.items()],
+            "window_base_step_s": base, "window_cost_runs": costs,
+            "window_cost_s": statistics.median(costs) if costs else None}
 
 
 def cmd_checkpoint(args):
@@ -960,16 +1122,25 @@ def cmd_checkpoint(args):
            "config": dict(sizes=",".join(name for name, _, _ in args.sizes), seq_len=args.seq_len,
                           vocab_size=args.vocab_size, repeats=args.repeats, threads=args.threads, device=args.device,
                           dir=str(args.dir or tempfile.gettempdir())),
-           "timed": ("median of repeats. serialize: torch.save into memory; write: torch.save into a file and fsync "
-                     "it (write w/o fsync also given); save: "
+           "timed": ("median of repeats. copy: ddp_runtime.host_snapshot of the payload (page-locked where the "
+                     "trainer pins), what the background writer writes; serialize: torch.save of that copy into "
+                     "memory; write: torch.save of that copy into a file and fsync it (write w/o fsync also given); "
+                     "write_live: the same of the payload itself (on CUDA it copies each tensor to the host as it "
+                     "goes); save: "
                      "ddp_runtime.atomic_save (temp file, fsync, rename, SHA-256 sidecar, directory fsync), what "
-                     "rank 0 runs for DDPTrainer.save_checkpoint/save_state; snapshot: ddp_runtime.host_snapshot, the "
+                     "rank 0 runs for DDPTrainer.save_checkpoint/save_state; hash: SHA-256 of the serialized bytes "
+                     "in memory, what atomic_save adds as it writes; rest: save - write_live - hash (rename, sidecar, "
+                     "directory fsyncs); sha256: a separate re-read and hash of the file, what a load verifies; "
+                     "snapshot: ddp_runtime.host_snapshot, the "
                      "host copy the loop waits for with async_checkpoint (the default; the write then runs on a "
                      "thread). blocked_s: both snapshots of a save point (async); blocked_sync_s: both atomic saves "
-                     "(async_checkpoint=false, every rank waits for them); write_s: both writes + fsync. load: "
+                     "(async_checkpoint=false, every rank waits for them); write_s: both writes + fsync of the "
+                     "copies, copy_s: both copies. load: "
                      "ddp_runtime.load_checkpoint (SHA-256 check + torch.load weights_only=True). in_loop: a real "
                      "DDPTrainer run with save_every_iters, async and sync: the save_checkpoint + save_state calls "
-                     "of a save (median), and the step period with a save minus the median period"
+                     "of a save (median), and the step period with a save minus the median period; window_cost: "
+                     "the steps from a save until the first to end after its files are written, minus as many "
+                     "steps of the periods in no such window (window_base_step)"
                      + (". On CUDA the payloads' tensors are on the GPU; snapshot_pinned: the host copy into "
                         "page-locked memory (the trainer's default there, pin_memory), first call (after emptying "
                         "PyTorch's page-locked cache where torch has torch.accelerator.empty_host_cache; else it may "
@@ -987,7 +1158,9 @@ def cmd_checkpoint(args):
             entry["weights"] = save_load(weights, tmp / f"{size}_weights.pt", args.repeats, device)
             entry["state"] = save_load(state, tmp / f"{size}_state.pt", args.repeats, device)
             entry["write_s"] = entry["weights"]["write_s"] + entry["state"]["write_s"]
-            entry["blocked_s"] = timed(functools.partial(snapshot_both, weights, state, cuda), args.repeats)
+            entry["copy_s"] = entry["weights"]["copy_s"] + entry["state"]["copy_s"]
+            entry["blocked_s"] = timed(functools.partial(snapshot_both, weights, state, pins_host_memory(DEFAULTS, device)),
+                                       args.repeats)
             if cuda:
                 entry["blocked_pageable_s"] = timed(functools.partial(snapshot_both, weights, state, False),
                                                     args.repeats)
@@ -1015,15 +1188,15 @@ def cmd_checkpoint(args):
             r = m[kind]
             pinned = ([f"{r['snapshot_pinned_first_s'] * 1e3:.1f}", f"{r['snapshot_pinned_s'] * 1e3:.1f}"]
                       if cuda else [])
+            ms = [f"{r[k] * 1e3:.1f}" for k in ("copy_s", "serialize_s", "write_nofsync_s", "write_s", "save_s",
+                                                 "write_live_s", "hash_s", "rest_s", "sha256_s", "load_s",
+                                                 "load_noverify_s")]
             rows.append([f"{m['name']} ({m['params'] / 1e6:.2f}M)", kind, f"{r['bytes'] / 2**20:.2f}",
-                         f"{r['snapshot_s'] * 1e3:.1f}", *pinned, f"{r['serialize_s'] * 1e3:.1f}",
-                         f"{r['write_nofsync_s'] * 1e3:.1f}",
-                         f"{r['write_s'] * 1e3:.1f}", f"{r['save_s'] * 1e3:.1f}", f"{r['sha256_s'] * 1e3:.1f}",
-                         f"{r['rest_s'] * 1e3:.1f}", f"{r['load_s'] * 1e3:.1f}",
-                         f"{r['load_noverify_s'] * 1e3:.1f}"])
+                         f"{r['snapshot_s'] * 1e3:.1f}", *pinned, *ms])
     pinned = ["pinned snapshot, first ms", "pinned snapshot ms"] if cuda else []
-    t1 = markdown(["model (params)", "payload", "MiB", "snapshot ms", *pinned, "serialize ms", "write ms",
-                   "write+fsync ms", "save ms", "of which sha256 ms", "of which rest ms", "load ms",
+    t1 = markdown(["model (params)", "payload", "MiB", "snapshot ms", *pinned, "copy ms", "serialize copy ms",
+                   "write copy ms", "write+fsync copy ms", "save ms", "of which write+fsync ms",
+                   "of which hashing ms", "of which rest ms", "re-read + sha256 ms", "load ms",
                    "load w/o verify ms"], rows)
     rows = []
     for m in models:
@@ -1034,10 +1207,15 @@ def cmd_checkpoint(args):
                          f"{blocked / m['write_s']:.2f}",
                          "-" if not loop else f"{loop['blocked_s'] * 1e3:.1f}",
                          "-" if not loop else f"{loop['period_blocked_s'] * 1e3:.1f}",
+                         "-" if not loop or loop["window_cost_s"] is None else f"{loop['window_cost_s'] * 1e3:.1f}",
                          "-" if not loop else f"{loop['step_s'] * 1e3:.1f}"])
     t2 = markdown(["model", "writer", "write weights+state ms", "save blocks ms", "blocks / write", "in a real "
-                   "loop: saves block ms", "step period with a save - without ms", "step ms"], rows)
-    table = (f"{t1}\n\n{t2}\n\ntarget: a save blocks no longer than the write itself (write+fsync, "
+                   "loop: saves block ms", "step period with a save - without ms",
+                   "steps until written - as many without ms", "step ms"], rows)
+    table = (f"{t1}\n\ncopy, serialize, write: of a host copy of the payload, as the background writer writes it; "
+             f"save: atomic_save of the payload itself = its write+fsync, hashed as it goes (hashing: the same bytes "
+             f"in memory), and the rest (rename, sidecar, directory fsyncs); re-read + sha256: what a load "
+             f"verifies\n\n{t2}\n\ntarget: a save blocks no longer than the write itself (write+fsync, "
              f"x{TARGET_BLOCKED_OVER_WRITE:g} for noise), with the default async writer, directly and in the loop: "
              f"{'met' if out['meets_target'] else 'missed'}\n"
              f"timed: {out['timed']}")
@@ -1099,7 +1277,8 @@ def build_parser():
     common.add_argument("--dir", type=existing_dir,
                         help="parent of the temporary work directory; None: the system temp dir")
     common.add_argument("--timeout", type=positive_seconds, default=600.0,
-                        help="seconds one of scaling's trainer runs or one loader probe may run")
+                        help="seconds one run of scaling (trainer or bare loop, all its processes) or one loader "
+                             "probe may take; past it the run is killed and the benchmark stops with an error")
     fmt = argparse.ArgumentDefaultsHelpFormatter
 
     o = sub.add_parser("overhead", parents=[common], formatter_class=fmt,
@@ -1217,7 +1396,11 @@ def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    args.fn(args)
+    try:
+        args.fn(args)
+    except RunTimeout as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

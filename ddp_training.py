@@ -605,6 +605,12 @@ def build_scheduler(optimizer, cfg: "TrainConfig", total_steps: int):
         s, total_steps, cfg.warmup_steps, cfg.lr_schedule, cfg.min_lr_ratio))
 
 
+def pins_host_memory(cfg: "TrainConfig", device: torch.device) -> bool:
+    """Whether batches and checkpoint host copies go to page-locked memory: only copies to and from a CUDA
+    device gain from it (non-blocking transfers)."""
+    return cfg.pin_memory and device.type == "cuda"
+
+
 def amp_dtype_for(cfg: "TrainConfig", device: torch.device) -> Optional[torch.dtype]:
     """The autocast dtype a run uses (use_amp, amp_dtype), or None for full precision."""
     if not cfg.use_amp:
@@ -1230,7 +1236,7 @@ class DDPTrainer:
 
     def _build_loaders(self, train_dataset, val_dataset, test_dataset, collate_fn) -> None:
         cfg, env = self.cfg, self.env
-        pin = cfg.pin_memory and env.device.type == "cuda"
+        pin = pins_host_memory(cfg, env.device)
         loader = lambda ds, train: rt.build_dataloader(  # noqa: E731
             ds, cfg.batch_size, train=train, rank=env.rank, world_size=env.world_size, seed=cfg.seed,
             num_workers=cfg.num_workers, pin_memory=pin, collate_fn=collate_fn, timeout_s=cfg.loader_timeout,

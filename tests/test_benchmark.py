@@ -4,6 +4,7 @@ asserted: these run on busy CI machines."""
 
 import json
 import math
+import os
 import sys
 
 import pytest
@@ -14,9 +15,14 @@ from conftest import REPO, run
 TINY_LM = ["--hidden_size", "32", "--num_layers", "1", "--num_heads", "2", "--seq_len", "16", "--batch_size", "4"]
 
 
-def bench(tmp_path, *args, timeout=120):
+# runs benchmark.py on one CPU of this process's (its processes inherit the affinity): what a 1-core machine sees
+ONE_CPU = [sys.executable, "-c", "import os, runpy, sys; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+                                 "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"]
+
+
+def bench(tmp_path, *args, timeout=120, one_cpu=False):
     """Run benchmark.py with --json, its work dir under tmp_path; stdout must be exactly one JSON object."""
-    cmd = [sys.executable, REPO / "benchmark.py", *args, "--json", "--dir", tmp_path]
+    cmd = [*(ONE_CPU if one_cpu else [sys.executable]), REPO / "benchmark.py", *args, "--json", "--dir", tmp_path]
     r = run(cmd, cwd=tmp_path, timeout=timeout, merge_stderr=False)
     assert r.returncode == 0, f"exit {r.returncode}: {' '.join(map(str, cmd))}\n{r.stderr[-4000:]}"
     out = r.stdout
@@ -73,6 +79,7 @@ def test_scaling(tmp_path):
     out = bench(tmp_path, "scaling", *TINY_LM, "--nproc", 2, "--steps", 3, "--warmup", 2, "--repeats", 1, timeout=150)
     check_env(out, "scaling")
     assert out["config"]["threads_per_process"] == 1 and out["config"]["batch_size_per_process"] == 4
+    assert out["config"]["timeout_s"] == 600.0  # the default, bounding the bare loops' runs too
     for rows, eff in ((out["rows"], out["efficiency"]), (out["bare_rows"], out["bare_efficiency"])):
         one, two = rows
         assert (one["processes"], two["processes"]) == (1, 2)
@@ -93,11 +100,18 @@ def test_scaling(tmp_path):
 
 
 @pytest.mark.multi  # DataLoader worker processes
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="runs on one CPU, set with sched_setaffinity")
 def test_loader(tmp_path):
-    out = bench(tmp_path, "loader", "--workers", "0,1", "--files", 2, "--traj_per_file", 3, "--steps", 3, "--patches", 4,
-                "--embed_dim", 8, "--actions_per_step", 5, "--batch_size", 2, "--train_steps", 1,
-                "--warm_epochs", 1, "--rss_epochs", 1, "--threads", 1)
+    """On one CPU, where the loader caps workers at 1: --workers 1,2 gives one row of 1 worker that says so."""
+    out = bench(tmp_path, "loader", "--workers", "0,1,2", "--files", 2, "--traj_per_file", 3, "--steps", 3,
+                "--patches", 4, "--embed_dim", 8, "--actions_per_step", 5, "--batch_size", 2, "--train_steps", 1,
+                "--warm_epochs", 1, "--rss_epochs", 1, "--threads", 1, one_cpu=True)
     check_env(out, "loader")
+    assert out["env"]["cores"] == 1
+    config = out["config"]
+    assert config["workers"] == [0, 1, 2] and config["workers_used"] == [0, 1]
+    assert config["workers_capped"] == {"2": 1}
+    assert config["pin_memory"] is False  # the trainer pins on CUDA only
     consumer = out["consumer"]
     assert "AC predictor" in consumer["model"] or "LM" in consumer["model"]
     positive(consumer["step_s"], consumer["samples_per_s"])
@@ -106,7 +120,9 @@ def test_loader(tmp_path):
     positive(v["bytes"], v["seconds"], v["gib_per_s"])
     assert close(v["gib_per_s"], v["bytes"] / 2**30 / v["seconds"]) and v["repeats"] == 3
     assert [r["workers"] for r in out["loader"]] == [0, 1]
+    assert [r["requested_workers"] for r in out["loader"]] == [[0], [1, 2]]
     for r in out["loader"]:
+        assert r["pin_memory"] is False
         assert r["trajectories"] == 18 and r["samples_per_epoch"] == 18 and r["evicted"] in (True, False)
         positive(r["bytes"], r["cold_samples_per_s"], r["warm_samples_per_s"], r["cold_vs_step"], r["warm_vs_step"])
         assert close(r["cold_vs_step"], r["cold_samples_per_s"] / consumer["samples_per_s"])
@@ -114,16 +130,17 @@ def test_loader(tmp_path):
     assert out["meets_rate_target"] == (out["loader"][1]["cold_vs_step"] >= out["target_margin"])
     assert sorted((m["workers"], m["size"]) for m in out["memory"]) == [(0, "1x"), (0, "3x"), (1, "1x"), (1, "3x")]
     for m in out["memory"]:
-        assert m["trajectories"] == (6 if m["size"] == "1x" else 18)
+        assert m["trajectories"] == (6 if m["size"] == "1x" else 18) and m["pin_memory"] is False
         assert len(m["worker_peak_mb"]) == m["workers"]
         for p in [m["main_before_mb"], m["main_peak_mb"], *m["worker_peak_mb"]]:
             positive(p["rss"], p["anon"], p["uss"])
             assert p["anon"] <= p["rss"] and p["uss"] <= p["rss"]
         assert m["main_peak_mb"]["rss"] >= m["main_before_mb"]["rss"]
     assert [g["workers"] for g in out["memory_growth"]] == [0, 1]
+    assert [g["requested_workers"] for g in out["memory_growth"]] == [[0], [1, 2]]
     assert isinstance(out["memory_flat"], bool) and isinstance(out["rss_flat"], bool)
-    assert {"workers", "anon_peak_mb_1x", "anon_peak_mb_3x", "rss_peak_mb_1x", "rss_peak_mb_3x"} == \
-        set(out["memory_growth"][0])
+    assert {"workers", "requested_workers", "anon_peak_mb_1x", "anon_peak_mb_3x", "rss_peak_mb_1x",
+            "rss_peak_mb_3x"} == set(out["memory_growth"][0])
 
 
 def test_checkpoint(tmp_path):
@@ -132,12 +149,16 @@ def test_checkpoint(tmp_path):
     check_env(out, "checkpoint")
     assert [m["name"] for m in out["models"]] == ["32x1", "64x1"]
     for m in out["models"]:
-        positive(m["params"], m["blocked_s"], m["blocked_sync_s"], m["write_s"], m["blocked_over_write"])
+        positive(m["params"], m["blocked_s"], m["blocked_sync_s"], m["write_s"], m["copy_s"], m["blocked_over_write"])
         for kind in ("weights", "state"):
             r = m[kind]
-            positive(r["bytes"], r["snapshot_s"], r["serialize_s"], r["write_nofsync_s"], r["write_s"], r["save_s"],
-                     r["sha256_s"], r["load_s"], r["load_noverify_s"])
+            positive(r["bytes"], r["snapshot_s"], r["copy_s"], r["serialize_s"], r["write_nofsync_s"], r["write_s"],
+                     r["write_live_s"], r["hash_s"], r["save_s"], r["sha256_s"], r["load_s"], r["load_noverify_s"])
             assert r["rest_s"] >= 0
+            if r["rest_s"] > 0:  # clamped at 0 where noise makes the parts outweigh the whole
+                assert close(r["rest_s"], r["save_s"] - r["write_live_s"] - r["hash_s"])
+        assert close(m["copy_s"], m["weights"]["copy_s"] + m["state"]["copy_s"])
+        assert close(m["write_s"], m["weights"]["write_s"] + m["state"]["write_s"])
         # the resumable state holds the weights and AdamW's two moments besides
         assert m["state"]["bytes"] > 2 * m["weights"]["bytes"]
         assert close(m["blocked_sync_s"], m["weights"]["save_s"] + m["state"]["save_s"])
@@ -149,11 +170,58 @@ def test_checkpoint(tmp_path):
             assert loop["steps"] == 7
             positive(loop["blocked_s"], *loop["blocked_runs"], loop["step_s"], loop["step_with_save_s"])
             assert close(loop["period_blocked_s"], loop["step_with_save_s"] - loop["step_s"])
+            # the window of a save: from its step to the first step that ends after its files are written
+            positive(loop["write_done_s"])
+            windows = loop["window_steps"]
+            assert len(windows) == 2 and all(w is None or 1 <= w <= 3 for w in windows)
+            measured = [w for w in windows if w is not None]
+            if loop["window_base_step_s"] is None:  # every step after step 2 in some save's window
+                assert loop["window_cost_runs"] == [] and loop["window_cost_s"] is None
+            else:
+                positive(loop["window_base_step_s"])
+                assert len(loop["window_cost_runs"]) == len(measured)
+                assert all(math.isfinite(c) for c in loop["window_cost_runs"])
+                assert (loop["window_cost_s"] is None) == (not measured)
         assert close(m["in_loop"]["async"]["blocked_over_write"], m["in_loop"]["async"]["blocked_s"] / m["write_s"])
+        assert m["in_loop"]["sync"]["window_steps"] == [1, 1]  # written before the save call returns
     assert out["models"][1]["weights"]["bytes"] > out["models"][0]["weights"]["bytes"]
     target = out["target_blocked_over_write"]
     assert out["meets_target"] == all(m["blocked_over_write"] <= target and
                                       m["in_loop"]["async"]["blocked_over_write"] <= target for m in out["models"])
+
+
+# A bare DDP run of scaling far longer than its --timeout, in a process of its own (bounded by run's timeout, so a
+# broken kill fails the test instead of hanging it): it must stop at the timeout with an error naming the flag,
+# and leave no process behind (the spawned ranks outlive a killed parent unless they are killed too).
+OVERRUN = """
+import argparse, json, sys, time
+from pathlib import Path
+import psutil
+import benchmark
+steps, timeout = 20000, float(sys.argv[2])
+# 25 ms a step here: minutes of work, which a machine 10x as fast would still take far past the timeout to do
+cfg = dict(vocab_size=64, hidden_size=128, num_layers=2, num_heads=2, seq_len=32, batch_size=4, seed=0, device="cpu",
+           max_steps=steps, dataset_size=(steps + 1) * 4 * 2)
+args = argparse.Namespace(threads=1, warmup=1, timeout=timeout)
+start, error = time.monotonic(), None
+try:
+    benchmark.bare_scaling_run(args, 2, Path(sys.argv[1]) / "bare", cfg)
+except benchmark.RunTimeout as exc:
+    error = str(exc)
+time.sleep(0.5)  # a killed process is gone at once; one that escaped would still be listed
+print(json.dumps({"error": error, "seconds": time.monotonic() - start,
+                  "left": [p.pid for p in psutil.Process().children(recursive=True)]}))
+"""
+
+
+@pytest.mark.multi
+def test_a_bare_run_past_timeout_is_killed_with_a_clear_error(tmp_path):
+    timeout = 15
+    r = run([sys.executable, "-c", OVERRUN, tmp_path, timeout], cwd=tmp_path, timeout=120, merge_stderr=False)
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["error"] and "the bare loop on 2 process(es) did not finish within --timeout 15 s" in out["error"]
+    assert timeout <= out["seconds"] < timeout + 30 and out["left"] == []
 
 
 def test_table_output(tmp_path, capsys, no_launch_env):
