@@ -41,12 +41,17 @@ def fake_bin(tmp_path) -> Path:
     return bin_dir
 
 
+def fake_env(bin_dir, **extra) -> dict:
+    """`bin_dir` first on PATH, then the test's Python (as python3), and no PYTHON unless given: the launcher
+    then takes the torchrun on PATH, the fake one."""
+    env = {k: v for k, v in clean_env(PATH=f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin").items()
+           if k != "PYTHON"}
+    return {**env, **{k: str(v) for k, v in extra.items()}}
+
+
 def launch(argv, cwd, bin_dir, timeout=30, launcher=LAUNCHER, **env):
-    """The launcher with `bin_dir` first on PATH, then the test's Python (as python3: PYTHON unset, the launcher
-    takes the torchrun on PATH)."""
-    path = f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin"
-    return run(["bash", launcher, *argv], cwd=cwd, timeout=timeout,
-               env=clean_env(PATH=path, **env))
+    """The launcher with fake commands (see fake_env)."""
+    return run(["bash", launcher, *argv], cwd=cwd, timeout=timeout, env=fake_env(bin_dir, **env))
 
 
 def fake_nvidia_smi(bin_dir: Path, gpus: int) -> None:
@@ -165,7 +170,7 @@ def test_sighup_sigquit_and_sigint_reach_torchrun_as_sigterm(tmp_path, fake_bin,
     then = ('trap "echo TERM > got; exit 1" TERM; trap "echo HUP > got; exit 1" HUP; '
             'trap "echo QUIT > got; exit 1" QUIT; trap "echo INT > got; exit 1" INT; touch ready; '
             'while :; do sleep 0.1; done')
-    env = clean_env(PATH=f"{fake_bin}:{Path(sys.executable).parent}:/usr/bin:/bin", FAKE_TORCHRUN_THEN=then)
+    env = fake_env(fake_bin, FAKE_TORCHRUN_THEN=then)
     with background(["bash", LAUNCHER, "--cpu"], tmp_path, env=env) as proc:
         deadline = time.time() + 20
         while not (tmp_path / "ready").exists():
@@ -180,7 +185,7 @@ def test_a_stop_while_the_gpus_are_counted_exits_75_before_torchrun_starts(tmp_p
     """The launcher set its traps only after counting the GPUs (seconds when torch has to count them): a
     SIGTERM there ended it with 143 and no word (from a review)."""
     executable(fake_bin / "nvidia-smi", "#!/bin/sh\ntouch ready\nsleep 1\necho 0\n")
-    env = clean_env(PATH=f"{fake_bin}:{Path(sys.executable).parent}:/usr/bin:/bin")
+    env = fake_env(fake_bin)
     with background(["bash", LAUNCHER, "--test"], tmp_path, env=env) as proc:
         deadline = time.time() + 20
         while not (tmp_path / "ready").exists():
@@ -280,10 +285,8 @@ def test_a_preempted_run_exits_75_when_its_output_reader_is_gone(tmp_path, fake_
     the launcher's last message met a pipe without a reader, and SIGPIPE turned the run's 75 into 141."""
     then = (f"save() {{ mkdir -p runs/lm && {MARKER} > runs/lm/PREEMPTED; exit 1; }}; trap save TERM; echo trapped; "
             f"{IDLE}")
-    path = f"{fake_bin}:{Path(sys.executable).parent}:/usr/bin:/bin"
     proc = subprocess.Popen(["bash", LAUNCHER, "--cpu"], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,
-                            env=clean_env(PATH=path, FAKE_TORCHRUN_THEN=then))
+                            stderr=subprocess.STDOUT, text=True, env=fake_env(fake_bin, FAKE_TORCHRUN_THEN=then))
     watchdog = threading.Timer(60, proc.kill)  # ends the read below if the launcher hangs without a word
     watchdog.start()
     try:
