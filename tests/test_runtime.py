@@ -748,14 +748,18 @@ sys.path.insert(0, {str(REPO)!r})
 import ddp_runtime as rt
 lock = rt.RunDirLock({str(tmp_path)!r})
 assert lock.acquire() is None
-if os.fork() == 0:  # a worker that outlives its rank
+worker = os.fork()
+if worker == 0:  # a worker that outlives its rank
     time.sleep(30)
     os._exit(0)
-print("locked", flush=True)
+print("locked", worker, flush=True)
 time.sleep(30)
 """], stdout=subprocess.PIPE, text=True)
+    left = []  # only these: the others among this process's children (the forkserver ranks fork from) stay
     try:
-        assert holder.stdout.readline().strip() == "locked"
+        word, worker = holder.stdout.readline().split()
+        left.append(int(worker))
+        assert word == "locked"
         lock = rt.RunDirLock(tmp_path)
         assert lock.acquire().startswith(f"pid {holder.pid} on ")
         holder.kill()
@@ -764,16 +768,22 @@ time.sleep(30)
         if (child := os.fork()) == 0:
             time.sleep(30)
             os._exit(0)
+        left.append(child)
         lock.release()
         other = rt.RunDirLock(tmp_path)
         assert other.acquire() is None  # released, though this process's child lives on
         other.release()
-        os.kill(child, signal.SIGKILL)
-        os.waitpid(child, 0)
     finally:
         holder.kill()
-        for p in psutil.Process().children(recursive=True):
-            p.kill()
+        holder.wait(10)
+        holder.stdout.close()
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if left[1:]:
+            os.waitpid(left[1], 0)
 
 
 def test_a_failure_marker_that_cannot_be_written_says_so_and_lets_the_error_through(tmp_path, capsys):
