@@ -737,3 +737,65 @@ def test_the_val_loss_curve_is_read_from_the_validation_records(runs):
     plt.close(fig)
     assert list(val.get_xdata()) == [r["step"] for r in run.val] == [5, 10, 15, 20]
     assert list(val.get_ydata()) == [r["val_loss"] for r in run.val]
+
+
+def test_steps_per_epoch_of_a_run_that_logs_every_few_steps(tmp_path):
+    """With log_interval > 1 (and no steps_per_epoch stated, as by an older trainer) no record sits at an epoch's
+    last step: the bounds e*n < step <= (e+1)*n of the logged steps still pin n down (from a mutation review)."""
+    # steps 3, 6, 9 logged, 5 steps per epoch; the summary closes epoch 2 at step 10
+    logged = train_recs([3, 6, 9], spe=5) + [{"type": "summary", "status": "completed", "steps": 10, "epochs": 2,
+                                               "wall_time_s": 10.5}]
+    run = tl.load_run(write_run(tmp_path / "a", logged))
+    assert tl.epoch_bounds(logged) == (5, 5) and run.steps_per_epoch == 5  # 9 in epoch 1: n >= 4.5
+    assert tl.series(run, "loss", x="epoch")[0] == [0.6, 1.2, 1.8]
+    # still running, every second step logged: step 6 in epoch 1 and step 12 in epoch 2 both say n <= 5
+    running = tl.load_run(write_run(tmp_path / "b", train_recs([2, 4, 6, 8, 10, 12], spe=5)))
+    assert running.steps_per_epoch == 5
+
+
+def test_a_metric_of_train_and_val_records_is_plotted_from_the_train_records(runs):
+    run = tl.load_run(runs / "lr_3e-3")
+    for rec in run.val:
+        rec["lr"] = 0.5
+    assert tl.available_metrics([run])["lr"] == "train" and tl.available_metrics([run])["val_loss"] == "val"
+
+
+def test_runs_of_the_same_name_are_told_apart_by_their_paths(runs, tmp_path, capsys):
+    """sweep_a/lr_3e-3 and sweep_b/lr_3e-3: two rows both named lr_3e-3 could not be told apart."""
+    a, b = copy_run(runs, tmp_path / "sweep_a"), copy_run(runs, tmp_path / "sweep_b")
+    other = runs / "lr_1e-2"
+    assert [r.name for r in tl.load_runs([a, b, other])] == [str(a), str(b), "lr_1e-2"]
+    assert tl.main(["summary", str(a), str(b), "--format", "json"]) == 0
+    assert [r["name"] for r in json.loads(capsys.readouterr().out)] == [str(a), str(b)]
+
+
+def test_loss_curves_have_one_row_per_run_unless_compared(runs, tmp_path):
+    dirs = [str(runs / n) for n in LRS]
+    assert tl.main(["plot", *dirs, "--output", str(tmp_path / "rows.png")]) == 0
+    assert tl.main(["plot", *dirs, "--compare", "--output", str(tmp_path / "one.png")]) == 0
+    # figsize 12 x 4.5 inches per row at 100 dpi
+    assert png_size(tmp_path / "rows.png")[:2] == (1200, 900) and png_size(tmp_path / "one.png")[:2] == (1200, 450)
+
+
+def test_smoothed_loss_curve_is_drawn_over_the_raw_one(runs, tmp_path, capsys):
+    run = tl.load_run(runs / "lr_3e-3")
+    raw = [r["loss"] for r in run.train]
+    plt = tl._pyplot()
+    fig, ax = plt.subplots()
+    handles = {h.get_label(): h for h in tl._loss_axes(ax, [run], "step", 5, False, ["C0"])}
+    plt.close(fig)
+    smooth = handles["train loss (avg 5)"]
+    assert list(smooth.get_ydata()) == tl.moving_average(raw, 5) != raw
+    assert [list(line.get_ydata()) for line in ax.lines if line.get_alpha() == 0.25] == [raw]
+    out = tmp_path / "x.png"
+    assert tl.main(["plot", str(runs / "lr_3e-3"), "--smooth", "0", "--output", str(out)]) == 2
+    assert "--smooth must be at least 1" in capsys.readouterr().err and not out.exists()
+
+
+def test_a_record_whose_step_is_true_is_skipped(tmp_path, capsys):
+    """JSON true is a Python bool, an int to isinstance: it is no step number."""
+    recs = train_recs(range(1, 4), spe=100)
+    recs[1]["step"] = True
+    run = tl.load_run(write_run(tmp_path / "b", recs))
+    assert [r["step"] for r in run.train] == [1, 3]
+    assert "metrics.jsonl:2: step True is not a whole number; record skipped" in capsys.readouterr().err

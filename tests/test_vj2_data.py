@@ -4,6 +4,7 @@ import io
 import logging
 import pickle
 import re
+import shutil
 import struct
 import sys
 import warnings
@@ -71,7 +72,9 @@ def test_cli_current_dir_bad_flags_and_leftover_files(tmp_path, monkeypatch, cap
     for argv, message in [(["--trajectories_per_file", "0"], "--trajectories_per_file must be >= 1"),
                           (["--noise", "-1"], "--noise must be >= 0"),
                           (["--num_steps", "1"], "--num_steps must be >= 2"),
-                          (["--embed_dim", "1"], "--embed_dim must be >= 2")]:
+                          (["--embed_dim", "1"], "--embed_dim must be >= 2"),
+                          # refused up front, not numpy's "high <= 0" from inside the simulation
+                          (["--actions_per_step", "0"], "--patches and --actions_per_step must be >= 1, got 16, 0")]:
         with pytest.raises(SystemExit) as exc:
             gen.main(["--output_dir", "x", *argv])
         assert exc.value.code == 2 and message in capsys.readouterr().err
@@ -491,6 +494,30 @@ def write_pixel_actions(p):
     np.savez(p, embeddings=emb, actions=act * 1e4)  # pixel coordinates instead of fractions of the screen
 
 
+def write_touch_just_above_one_float16(p):
+    emb, act = good()
+    act[0, 1, 2, 2] = np.nextafter(np.float16(1), np.float16(2))  # 1.00098, the first float16 past the range
+    np.savez(p, embeddings=emb, actions=act.astype(np.float16))
+
+
+def write_float64(p):
+    emb, act = good()
+    np.savez(p, embeddings=emb.astype(np.float64), actions=act)
+
+
+def write_one_step(p):
+    emb, act = good()
+    np.savez(p, embeddings=emb[:, :1], actions=act[:, :0])  # T=1: nothing to predict, no action between steps
+
+
+def write_header_longer_than_data(p):
+    # a header declaring two trajectories over the bytes of one: refused from the header, before any data is read
+    emb, act = good()
+    with zipfile.ZipFile(p, "w") as zf:
+        zf.writestr("embeddings.npy", npy_bytes(emb.shape, np.float16, emb[:1].tobytes()))
+        zf.writestr("actions.npy", npy(act))
+
+
 def write_negative_touch_float16(p):
     emb, act = good()
     act[1, 2, 3, 2] = -1
@@ -551,6 +578,13 @@ BAD_FILES = {
                                             "channel 2 (touch) from", "expected every [x, y, touch] value in [0, 1]"]),
     "negative_touch": (write_negative_touch_float16, ["key 'actions'", "channel 2 (touch) from -1 to 0.99",
                                                       "expected every [x, y, touch] value in [0, 1]"]),
+    "touch_just_above_one": (write_touch_just_above_one_float16, ["key 'actions'",
+                                                                  "channel 2 (touch) from ", " to 1.00098;"]),
+    # a float64 file is refused, not trained as float64 (tests from a mutation review, as the three below)
+    "float64": (write_float64, ["key 'embeddings'", "dtype float64", "expected float16 or float32"]),
+    "one_step": (write_one_step, ["key 'embeddings'", "T=1 steps", "expected T >= 2"]),
+    "header_longer_than_data": (write_header_longer_than_data, [
+        "key 'embeddings' header declares shape (2, 4, 16, 32) float16 = 8,192 bytes but the member holds 4,096"]),
     "pickle": (write_pickle, ["key 'actions'", "pickle", "refusing to unpickle"]),
     "unterminated_header": (write_unterminated_header, ["key 'embeddings' is not a valid .npy array"]),
     "mangled_descr": (write_mangled_descr, ["key 'embeddings' is not a valid .npy array"]),
@@ -671,6 +705,14 @@ def test_actions_stored_channels_first_are_refused(tmp_path):
     validate_npz(tmp_path / "extra.npz")  # A=3 actions of 4 channels
     with pytest.raises(ValueError, match="--action_channels must be <= 8, got 9"):
         gen.generate(tmp_path / "nine", num_files=1, trajectories_per_file=1, channels=9)
+
+
+def test_eight_action_channels_the_stated_most_are_written_and_read(tmp_path):
+    """config.MAX_ACTION_CHANNELS is the most an action may have, not the first count refused."""
+    assert config.MAX_ACTION_CHANNELS == 8
+    (path,) = gen.generate(tmp_path, num_files=1, trajectories_per_file=2, **{**SMALL, "channels": 8})
+    assert validate_npz(path).geometry.channels == 8
+    assert VJ2TrajectoryDataset(tmp_path)[1][1].shape == (3, 10 * 8)
 
 
 def test_a_file_linked_twice_in_a_directory_is_refused_and_a_file_is_no_directory(tmp_path):
@@ -798,3 +840,68 @@ def test_rollout_horizon_longer_than_trajectories_is_refused(data_dir):
     VJ2TrajectoryDataset(data_dir, rollout_horizon=3)
     with pytest.raises(ValueError, match="T=4.*rollout_horizon=4"):
         VJ2TrajectoryDataset(data_dir, rollout_horizon=4)
+
+
+def test_mixed_float16_and_float32_files_read_as_float32_without_rounding(tmp_path):
+    """Items of every file come out in the widest stored dtype, so a batch stacks and float32 data keeps its
+    precision (the first file's float16 would round the others)."""
+    gen.generate(tmp_path, num_files=1, trajectories_per_file=2, seed=1, dtype="float16", **SMALL)
+    (wide,) = gen.generate(tmp_path / "wide", num_files=1, trajectories_per_file=2, seed=2, dtype="float32", **SMALL)
+    wide.rename(tmp_path / "z_wide.npz")  # sorts after the float16 file
+    ds = VJ2TrajectoryDataset(tmp_path)
+    assert ds.dtype == np.float32 and ds.summary().endswith("(float32)")
+    expected = load(tmp_path / "z_wide.npz")["embeddings"]
+    assert not np.array_equal(expected, expected.astype(np.float16).astype(np.float32))
+    for i in (2, 3):
+        assert ds[i][0].dtype == torch.float32 and np.array_equal(ds[i][0].numpy(), expected[i - 2])
+    assert ds[0][0].dtype == torch.float32
+
+
+def test_dataset_fingerprint_follows_the_files_order_not_where_the_directory_is(tmp_path):
+    """A resume checks it: the same files renamed into another order are another order of trajectories
+    (other batches); the same directory moved elsewhere (another mount, a relative path) is the same data."""
+    gen.generate(tmp_path / "a", num_files=2, trajectories_per_file=2, seed=3, **SMALL)
+    reference = VJ2TrajectoryDataset(tmp_path / "a").fingerprint()
+    shutil.copytree(tmp_path / "a", tmp_path / "moved")
+    assert VJ2TrajectoryDataset(tmp_path / "moved").fingerprint() == reference
+    (tmp_path / "moved" / "train_00000.npz").rename(tmp_path / "moved" / "train_00002.npz")  # now read second
+    assert VJ2TrajectoryDataset(tmp_path / "moved").fingerprint() != reference
+
+
+def test_train_and_val_files_of_one_seed_hold_different_trajectories(tmp_path):
+    """file_rng keeps the splits apart whatever --seed: a validation set written with the training set's seed
+    must not repeat its trajectories."""
+    (train,) = gen.generate(tmp_path / "t", num_files=1, trajectories_per_file=3, seed=0, **SMALL)
+    (val,) = gen.generate(tmp_path / "v", num_files=1, trajectories_per_file=3, seed=0, split="val", **SMALL)
+    assert val.name == "val_00000.npz"
+    a, b = load(train), load(val)
+    assert not np.isclose(a["actions"], b["actions"]).all(axis=(1, 2, 3)).any()
+
+
+@pytest.mark.parametrize("num_files, per_file, fraction, expected", [
+    (3, 10, 0.1, (1, 3)),  # 3 trajectories: one file of 3, not of the training files' 10
+    (2, 10, 0.75, (2, 8)),  # 15 trajectories: 2 files (no file holds more than a training file), 16 in all
+    (2, 2, 0.01, (1, 1)),  # at least one
+])
+def test_validation_split_sizes(num_files, per_file, fraction, expected):
+    assert gen.val_split(num_files, per_file, fraction) == expected
+
+
+def test_cli_val_fraction_writes_that_share_of_trajectories(tmp_path):
+    argv = ["--output_dir", str(tmp_path / "t"), "--num_files", "3", "--trajectories_per_file", "10",
+            "--num_steps", "3", "--patches", "2", "--embed_dim", "4", "--actions_per_step", "2", "--val_fraction", "0.1"]
+    assert gen.main(argv) == 0
+    assert len(VJ2TrajectoryDataset(tmp_path / "t")) == 30 and len(VJ2TrajectoryDataset(tmp_path / "t_val")) == 3
+
+
+def test_embeddings_written_in_several_chunks_are_the_encoders_output(tmp_path, monkeypatch):
+    """At real shapes a file is written a few trajectories at a time; no trajectory may be lost or shifted at a
+    chunk boundary."""
+    monkeypatch.setattr(gen, "CHUNK_ELEMENTS", 2 * 4 * 16 * 64)  # 2 trajectories per chunk (hidden width 64)
+    (path,) = gen.generate(tmp_path, num_files=1, trajectories_per_file=5, dtype="float32", noise=0.0,
+                           save_states=True, **SMALL)
+    data = load(path)
+    assert data["embeddings"].shape == (5, 4, 16, 32)
+    world = gen.World(SMALL["patches"], SMALL["embed_dim"])
+    np.testing.assert_allclose(data["embeddings"], world.embed(data["states"]), atol=1e-4)
+    validate_npz(path)

@@ -21,7 +21,7 @@ import create_synthetic_data as gen
 import ddp_runtime as rt
 import vj2ac_train_multi_gpu as vj2
 from ddp_training import TrainConfig
-from vj2_dataloader import VJ2TrajectoryDataset
+from vj2_dataloader import Geometry, VJ2TrajectoryDataset
 
 SCRIPT = "vj2ac_train_multi_gpu.py"
 # small geometry: T=4 steps, P=16 patches, D=32, A=10 actions x C=3 channels
@@ -131,6 +131,32 @@ def test_loss_layer_norms_targets_and_inputs_and_reads_float16():
     assert 0.8 < (total / count / 2).item() < 1.5
 
 
+def test_each_patch_is_predicted_from_its_own_token():
+    """The output of step t's token j is the prediction for patch j (the action token's output is dropped),
+    so a change to one input patch moves mostly that patch's prediction: through its token's residual path,
+    while other tokens see it only through attention (small at init)."""
+    model = tiny_predictor().eval()
+    z, actions = random_batch()
+    z2 = z.clone()
+    z2[:, 0, 5] += 3 * torch.randn(D)
+    with torch.no_grad():
+        moved = (model.predict(z2[:, :-1], actions) - model.predict(z[:, :-1], actions))[:, 0].abs().mean((0, 2))
+    assert moved.argmax().item() == 5 and moved[5] > 5 * moved[torch.arange(P) != 5].max(), moved
+
+
+def test_a_predictor_refuses_longer_trajectories_than_it_was_built_for():
+    """The predictor of T-step data has step positions for T-1 input steps: data with more steps is refused up
+    front (its last step would meet an untrained position), shorter data fits."""
+    geometry = Geometry(T, P, D, A, C)
+    args = vj2.parse_args(["--processed_data_dir", "t", "--validation_data_dir", "v", "--preset", "tiny"])
+    predictor = vj2.predictor_for(geometry, args)
+    assert predictor.config["max_steps"] == T - 1
+    vj2.check_fits(predictor, geometry._replace(steps=T - 1), "--validation_data_dir")
+    with pytest.raises(vj2.BadInput, match=rf"--validation_data_dir: data geometry T={T + 1} .* does not fit the "
+                                           rf"predictor .*max_steps=T-1<={T - 1}\)"):
+        vj2.check_fits(predictor, geometry._replace(steps=T + 1), "--validation_data_dir")
+
+
 def test_shuffled_actions_pair_every_trajectory_with_another():
     class Items:
         def __len__(self):
@@ -170,6 +196,20 @@ def test_cli_presets_test_mode_and_trainer_config(no_launch_env):
     assert (cfg["grad_clip"], cfg["lr_schedule"], cfg["compile"], cfg["async_checkpoint"]) == (0.5, "constant", True,
                                                                                               False)
     assert not {"static_graph", "patience", "keep_checkpoints"} & set(cfg)
+
+
+def test_presets_are_the_documented_sizes_and_flags_reach_the_trainer(no_launch_env):
+    """vjepa2_ac is Meta's predictor (width 1024, depth 24, 16 heads); optimisation flags are passed on, not
+    left at the trainer's defaults."""
+    data = ["--processed_data_dir", "t", "--validation_data_dir", "v"]
+    sizes = {name: (a.predictor_dim, a.depth, a.num_heads, a.lr) for name in ("tiny", "small", "vjepa2_ac")
+             for a in [vj2.parse_args(data + ["--preset", name])]}
+    assert sizes == {"tiny": (32, 1, 2, 1e-2), "small": (64, 2, 4, 5e-3), "vjepa2_ac": (1024, 24, 16, 4e-4)}
+    cfg = vj2.train_config(vj2.parse_args(data + ["--no_amp", "--grad_accum_steps", "3", "--weight_decay", "0.1",
+                                                  "--warmup_steps", "7", "--seed", "9"]))
+    assert (cfg["use_amp"], cfg["grad_accum_steps"], cfg["weight_decay"], cfg["warmup_steps"], cfg["seed"]) == (
+        False, 3, 0.1, 7, 9)
+    assert vj2.train_config(vj2.parse_args(data))["use_amp"] is True
 
 
 def test_a_config_file_is_read_like_the_flags_and_a_run_records_one(tmp_path, capsys):
@@ -246,6 +286,9 @@ def test_a_config_file_is_read_like_the_flags_and_a_run_records_one(tmp_path, ca
      "--keep_checkpoints must be >= 0, got -1"),
     (["--processed_data_dir", "t", "--validation_data_dir", "v", "--min_lr_ratio", "1.5"],
      "--min_lr_ratio must be in [0, 1], got 1.5"),
+    # a horizon of 0 trained with a rollout loss of one step
+    (["--processed_data_dir", "t", "--validation_data_dir", "v", "--rollout_horizon", "0"],
+     "--rollout_horizon must be >= 1, got 0"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -394,6 +437,56 @@ def test_evaluate_scores_the_loss_the_run_trained_with(tmp_path, no_launch_env, 
     # a resumable state beside it is no predictor checkpoint: the error says which file to take
     assert vj2.main(["--evaluate", str(tmp_path / "ckpt" / "vjepa2_state_step_4.pt"), *data]) == 2
     assert "a resumable training state, not a predictor checkpoint; evaluate a weights file" in capsys.readouterr().err
+
+
+def test_evaluate_refuses_a_checkpoint_whose_rollout_horizon_is_not_positive(tmp_path, no_launch_env, capsys):
+    """Unchecked, a horizon of -1 would score the rollout over no steps: a NaN loss and exit 0."""
+    gen.generate(tmp_path / "val", num_files=1, trajectories_per_file=4)
+    model = tiny_predictor()
+    path = tmp_path / "p.pt"
+    torch.save({"predictor": model.state_dict(), "global_step": 1, "predictor_config": model.config,
+                "rollout_horizon": -1}, path)
+    code = vj2.main(["--evaluate", str(path), "--validation_data_dir", str(tmp_path / "val"), "--device", "cpu"])
+    assert code == 2 and capsys.readouterr().err == (f"error: --evaluate {path}: not a usable predictor checkpoint "
+                                                     f"(ValueError: rollout_horizon must be an integer >= 1, got -1)\n")
+
+
+def test_validation_data_of_another_geometry_is_refused_before_training(tmp_path, no_launch_env, capsys):
+    make_vj2_data(tmp_path, 1, 8, 8)
+    gen.generate(tmp_path / "wide", num_files=1, trajectories_per_file=4, seed=1, embed_dim=16)
+    code = vj2.main(["--processed_data_dir", str(tmp_path / "train"), "--validation_data_dir", str(tmp_path / "wide"),
+                     "--device", "cpu", "--preset", "tiny", "--checkpoint_dir", str(tmp_path / "ckpt"),
+                     "--max_steps", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and (f"error: --validation_data_dir: geometry T={T} P={P} D=16 A={A} C={C} differs from the "
+                          f"training data's T={T} P={P} D={D} A={A} C={C}") in err, err
+    assert not (tmp_path / "ckpt" / "vjepa2_final.pt").exists()
+
+
+def test_a_rollout_horizon_longer_than_the_data_is_refused_naming_the_flag(tmp_path, no_launch_env, capsys):
+    """In one process (the 2-rank case is a multi test): before training, not a predictor error mid-step."""
+    make_vj2_data(tmp_path, 1, 8, 8)
+    code = vj2.main(["--processed_data_dir", str(tmp_path / "train"), "--validation_data_dir", str(tmp_path / "val"),
+                     "--device", "cpu", "--preset", "tiny", "--checkpoint_dir", str(tmp_path / "ckpt"),
+                     "--max_steps", "2", "--rollout_horizon", str(T)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"error: --processed_data_dir: {tmp_path / 'train'}: trajectories have T={T} steps, so at " \
+        f"most T-1={T - 1} rollout steps, but rollout_horizon={T}" in err, err
+
+
+def test_the_seed_fixes_the_predictors_initial_weights(tmp_path, no_launch_env):
+    """Two runs of one seed train the same weights, whatever ran before them in the process; another seed
+    starts elsewhere."""
+    make_vj2_data(tmp_path, 1, 8, 8)
+
+    def final_weights(name, seed):
+        assert vj2.main(["--processed_data_dir", str(tmp_path / "train"), "--validation_data_dir",
+                         str(tmp_path / "val"), "--device", "cpu", "--preset", "tiny", "--checkpoint_dir",
+                         str(tmp_path / name), "--max_steps", "1", "--val_every_iters", "0", "--seed", seed]) == 0
+        return torch.load(tmp_path / name / "vjepa2_final.pt", weights_only=True)["predictor"]
+    a, b, other = final_weights("a", "3"), final_weights("b", "3"), final_weights("c", "4")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["patch_in.weight"], other["patch_in.weight"])
 
 
 def test_resuming_on_other_data_is_refused(tmp_path, no_launch_env, capsys):
