@@ -607,6 +607,52 @@ def test_validation_of_a_batchnorm_model_is_that_of_its_saved_weights(tmp_path):
         (results, expected["loss"])
 
 
+def test_one_process_clips_the_mean_gradient_to_grad_clip_and_leaves_a_smaller_one_alone(tmp_path, no_launch_env):
+    """The gradient the optimizer gets is the global mean gradient scaled to norm grad_clip when its norm is
+    above it, and that gradient unchanged when its norm is below it or grad_clip is 0 (off); the logged norm is
+    the one before clipping. Reference: one backward of the mean loss over the same 8 samples."""
+    g = torch.Generator().manual_seed(3)
+    data = TensorDataset(torch.randint(0, 64, (8, 16), generator=g), torch.randint(0, 64, (8, 16), generator=g))
+    torch.manual_seed(0)
+    init = CausalLM(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, seq_len=16)
+    ref = copy.deepcopy(init)
+    s, c = lm_loss(ref, data.tensors)
+    (s / c).backward()
+    free = flat_grads(ref)
+    norm = free.double().norm().item()
+    seen = {}
+    for clip in (0.0, norm / 4, norm * 4):
+        model = copy.deepcopy(init)
+        root = tmp_path / f"clip_{clip:g}"
+        cfg = dict(OVERFIT, max_steps=1, batch_size=8, grad_clip=clip, log_dir=str(root / "logs"),
+                   checkpoint_dir=str(root / "ckpt"))
+        trainer = DDPTrainer(config=cfg, model=model, train_dataset=data)
+        trainer.optimizer.register_step_pre_hook(
+            lambda opt, args, kwargs, clip=clip, model=model: seen.__setitem__(clip, flat_grads(model)))
+        trainer.train()
+        assert metrics(root / "logs", "train")[0]["grad_norm"] == pytest.approx(norm, rel=1e-5)
+    assert rel(seen[0.0], free) < RTOL
+    assert rel(seen[norm * 4], free) < RTOL  # below the threshold: not scaled up to it
+    assert rel(seen[norm / 4], free / 4) < DRIFT_RTOL  # the clip factor adds its own rounding
+
+
+def test_sample_normalisation_leaves_out_a_sample_without_targets():
+    """A sample whose targets are all padding counts for nothing: the loss is the mean over the other samples
+    of their per-token means, its count theirs, and its gradient finite."""
+    torch.manual_seed(0)
+    model = CausalLM(vocab_size=16, hidden_size=16, num_layers=1, num_heads=2, seq_len=6)
+    x = torch.randint(0, 16, (3, 6))
+    y = torch.randint(0, 16, (3, 6))
+    y[1] = IGNORE_INDEX
+    y[2, :4] = IGNORE_INDEX
+    s, c = lm_loss(model, (x, y), normalization="sample")
+    logits = model(x)
+    expected = (F.cross_entropy(logits[0], y[0]) + F.cross_entropy(logits[2, 4:], y[2, 4:])) / 2
+    assert int(c) == 2 and (s / c).item() == pytest.approx(expected.item(), rel=1e-6)
+    (s / c).backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
 # =============================================================================================
 # 3. Overfitting: the loop can drive the loss to ~0 on data it can memorise
 # =============================================================================================

@@ -282,6 +282,38 @@ def test_memory_manager_warns_and_cleans(tmp_path, monkeypatch, caplog):
     assert sum("exceeds max_memory_gb" in r.message for r in caplog.records) == 2
 
 
+def test_memory_peaks_are_the_highest_readings_so_far(monkeypatch):
+    """cpu_peak_rss_gb and cpu_peak_anon_gb (the run summary's peak_rss_gb, peak_anon_gb) hold the highest
+    reading of any call, not the latest one."""
+    readings = iter([(3, 1), (2, 0.5), (1, 0.25)])  # (rss, shared) in GiB, falling
+
+    class Info:
+        def __init__(self, rss, shared):
+            self.rss, self.shared = int(rss * 2**30), int(shared * 2**30)
+    mm = rt.MemoryManager(torch.device("cpu"), logging.getLogger("memtest"))
+    monkeypatch.setattr(mm.process, "memory_info", lambda: Info(*next(readings)))
+    stats = [mm.stats() for _ in range(3)]
+    assert [(s["cpu_rss_gb"], s["cpu_anon_gb"]) for s in stats] == [(3, 2), (2, 1.5), (1, 0.75)]
+    assert (stats[-1]["cpu_peak_rss_gb"], stats[-1]["cpu_peak_anon_gb"]) == (3, 2)
+
+
+def test_the_memory_limit_warning_reads_anonymous_memory(monkeypatch, caplog):
+    """max_memory_gb is compared with anonymous memory (RSS less shared, file-backed pages), not RSS: 3 GiB of
+    RSS that is mostly mapped data stays under a 1 GiB limit; 1.5 GiB of anonymous memory exceeds it."""
+    readings = iter([(3, 2.5), (3, 1.5)])  # (rss, shared) in GiB
+
+    class Info:
+        def __init__(self, rss, shared):
+            self.rss, self.shared = int(rss * 2**30), int(shared * 2**30)
+    mm = rt.MemoryManager(torch.device("cpu"), logging.getLogger("memtest"), check_interval=1, max_memory_gb=1.0)
+    monkeypatch.setattr(mm.process, "memory_info", lambda: Info(*next(readings)))
+    with caplog.at_level(logging.WARNING, logger="memtest"):
+        mm.on_step(1)
+        assert not caplog.records
+        mm.on_step(2)
+    assert [r.getMessage() for r in caplog.records] == ["memory 1.50 GB exceeds max_memory_gb=1.00 at step 2"]
+
+
 def test_memory_limit_counts_anonymous_memory_not_mapped_file_pages(tmp_path):
     """Reading memory-mapped data raises RSS by its size; the limit watches anonymous memory."""
     import numpy as np
@@ -380,6 +412,32 @@ def test_workers_are_capped_and_configured():
     assert sorted(i for b in ld for i in b.tolist()) == list(range(40))
     ld0 = rt.build_dataloader(Indices(40), 4, train=True, rank=0, world_size=1, seed=0, num_workers=0)
     assert ld0.timeout == 0 and not ld0.persistent_workers
+
+
+class Draws(torch.utils.data.Dataset):
+    """Sample i is [i, a torch draw, a numpy draw, a random draw]: augmentation's random numbers, made visible."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return torch.tensor([i, torch.rand(()).item(), np.random.rand(), random.random()], dtype=torch.float64)
+
+
+def test_worker_draws_are_new_each_epoch_and_the_same_in_a_rebuilt_loader():
+    """With loader workers each sample's random draws depend on (seed, epoch, index): another epoch augments a
+    sample anew, and a loader built again (a resumed run) repeats the epoch's draws exactly."""
+    def draws(epoch):
+        ld = rt.build_dataloader(Draws(), 4, train=True, rank=0, world_size=1, seed=3, num_workers=1, timeout_s=30)
+        try:
+            ld.sampler.set_epoch(epoch)
+            return {int(row[0]): row[1:] for row in torch.cat(list(ld))}
+        finally:
+            rt.stop_workers(ld)
+    first, second, again = draws(0), draws(1), draws(1)
+    assert sorted(first) == sorted(second) == list(range(8))
+    assert all(torch.equal(second[i], again[i]) for i in range(8))
+    assert all((first[i] != second[i]).all() for i in range(8))
 
 
 def test_resumable_sampler_skips_the_consumed_part_once():
@@ -737,6 +795,16 @@ def test_atomic_save_roundtrip_and_hash(tmp_path):
     path.write_bytes(bytes(raw))
     with pytest.raises(rt.CheckpointError, match="SHA-256"):
         rt.load_checkpoint(path)
+
+
+def test_pruning_removes_the_older_files_with_their_sidecars_and_keeps_the_newest(tmp_path):
+    """keep_newest deletes all but the newest `keep` of the paths (oldest first) and each one's .sha256 sidecar;
+    keep=0 keeps them all."""
+    paths = [rt.atomic_save({"step": n}, tmp_path / f"s_{n}.pt") for n in (1, 2, 3)]
+    assert rt.keep_newest(paths, 0) == [] and len(list(tmp_path.iterdir())) == 6
+    assert rt.keep_newest(paths, 2) == paths[:1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s_2.pt", "s_2.pt.sha256", "s_3.pt", "s_3.pt.sha256"]
+    assert rt.load_checkpoint(paths[2])["step"] == 3
 
 
 def test_a_run_dir_lock_dies_with_its_process_not_with_the_children_it_forked(tmp_path):

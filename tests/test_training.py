@@ -367,6 +367,25 @@ def test_skipped_steps_move_the_schedule_on_too(tmp_path, no_launch_env):
     assert [r["lr"] / QUICK["learning_rate"] for r in train] == pytest.approx(SCHEDULES["cosine"], abs=1e-6)
 
 
+def test_the_schedules_end_at_min_lr_ratio_and_a_ratio_of_one_keeps_the_peak():
+    """After the run's last step the cosine and wsd schedules sit at min_lr_ratio (the logged rates stop one step
+    short of it); min_lr_ratio=1 is a valid setting that keeps the peak rate after the warm-up."""
+    from ddp_training import lr_factor
+    for schedule in ("cosine", "wsd"):
+        assert lr_factor(10, 10, 2, schedule, 0.25) == pytest.approx(0.25, abs=1e-12)
+        assert [lr_factor(s, 10, 2, schedule, 1.0) for s in range(11)] == pytest.approx([0.5] + [1.0] * 10)
+    assert lr_factor(0, 10, 0, "cosine", 0.25) == 1.0  # no warm-up: the first step takes the peak rate
+    cfg = TrainConfig.from_dict({"min_lr_ratio": 1.0, "lr_schedule": "wsd"})
+    assert cfg.min_lr_ratio == 1.0
+
+
+def test_the_summary_states_the_global_batch_of_ranks_micro_batches_and_accumulation(tmp_path, no_launch_env):
+    """global_batch is the samples of one optimizer step: batch_size x grad_accum_steps x world_size."""
+    s = DDPTrainer(config={**QUICK, **dirs(tmp_path), "batch_size": 4, "grad_accum_steps": 3, "max_steps": 2,
+                           "val_interval": 0}).train()
+    assert s["global_batch"] == 12 and s["steps"] == 2
+
+
 class Recorded(torch.utils.data.Dataset):
     """Notes which samples were read, in order (no loader workers: they are read in this process)."""
 
@@ -581,6 +600,14 @@ def test_unknown_config_key_names_the_key(tmp_path):
         DDPTrainer(rank=1, config={"batch_size": 4})
     with pytest.raises(ValueError, match="'lr_schedule' must be one of"):
         TrainConfig.from_dict({"lr_schedule": "linear"})
+
+
+def test_a_negative_grad_clip_is_refused_naming_the_key():
+    """Only grad_clip > 0 clips, so a negative value would turn clipping off without a word: it is refused like
+    the other keys that must not be negative, and 0 (off) is accepted."""
+    with pytest.raises(ValueError, match=re.escape("config key 'grad_clip' must be >= 0, got -1.0")):
+        TrainConfig.from_dict({"grad_clip": -1})
+    assert TrainConfig.from_dict({"grad_clip": 0}).grad_clip == 0.0
 
 
 def test_the_log_says_what_precision_and_schedule_a_run_gets(tmp_path, no_launch_env):
