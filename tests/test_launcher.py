@@ -162,6 +162,81 @@ def test_multi_node_restarts_use_c10d_rendezvous(tmp_path, fake_bin):
     assert r.returncode == 0 and "[--rdzv_backend][c10d]" in r.stdout, r.stdout
 
 
+def torchrun_args(r) -> list:
+    """The arguments the fake torchrun received (its [arg] line)."""
+    line = next(line for line in r.stdout.splitlines() if line.startswith("[--"))
+    return line[1:-1].split("][")
+
+
+@pytest.mark.parametrize("names", [("-b", "-e", "-l", "-c"), ("--batch-size", "--epochs", "--log-dir", "--checkpoint-dir")])
+def test_each_option_reaches_torchrun_and_the_script_as_documented(tmp_path, fake_bin, names):
+    """Every value is the one right after its option, in any order; `--` ends the options and is not passed on."""
+    batch, epochs, log, ckpt = names
+    r = launch(["--max-restarts", "1", batch, "64", epochs, "3", "--nproc", "3", log, "L", ckpt, "C", "--test",
+                "--debug", "--cpu", "--", "--run_name", "x"], tmp_path, fake_bin)
+    assert r.returncode == 0, r.stdout
+    assert torchrun_args(r) == [
+        "--standalone", "--nproc_per_node", "3", "--max_restarts", "1",
+        "--signals_to_handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",  # SIGUSR1: SLURM's --signal=USR1@...
+        str(REPO / "ddp_training.py"), "--device", "cpu", "--dist-backend", "gloo", "--batch_size", "64",
+        "--num_epochs", "3", "--log_dir", "L", "--checkpoint_dir", "C", "--test", "--debug", "--run_name", "x"], r.stdout
+
+
+def test_an_option_without_its_value_does_not_take_the_next_option(tmp_path, fake_bin):
+    failed(launch(["-l", "--cpu"], tmp_path, fake_bin), "option -l needs a value")
+    failed(launch(["--script", "--test", "--cpu"], tmp_path, fake_bin), "option --script needs a value")
+
+
+def test_gpu_ids_count_within_the_visible_gpus_each_once(tmp_path, fake_bin):
+    fake_nvidia_smi(fake_bin, 4)
+    # a scheduler gave this job GPUs 2 and 3: -g 1 is the second of them
+    r = launch(["-g", "1"], tmp_path, fake_bin, CUDA_VISIBLE_DEVICES="2,3")
+    assert r.returncode == 0 and "CUDA_VISIBLE_DEVICES=3\n" in r.stdout and "[--nproc_per_node][1]" in r.stdout, r.stdout
+    failed(launch(["--gpus", "2"], tmp_path, fake_bin, CUDA_VISIBLE_DEVICES="2,3"),
+           "--gpus: GPU 2 does not exist (2 GPU(s) visible)")
+    failed(launch(["--gpus", "0,0"], tmp_path, fake_bin), "--gpus: GPU 0 listed twice")  # two ranks on one GPU
+    failed(launch(["--cpu", "--gpus", "0"], tmp_path, fake_bin), "--cpu and --gpus exclude each other")
+
+
+def test_node_counts_and_ranks_that_cannot_meet_are_refused(tmp_path, fake_bin):
+    failed(launch(["--cpu", "--nnodes", "0"], tmp_path, fake_bin), "--nnodes must be >= 1")
+    failed(launch(["--cpu", "--nnodes", "2", "--node-rank", "2", "--master-addr", "10.0.0.1"], tmp_path, fake_bin),
+           "--node-rank 2 must be < --nnodes 2")
+    failed(launch(["--cpu", "--nnodes", "2", "--node-rank", "1"], tmp_path, fake_bin),
+           "--nnodes 2 needs --master-addr (the host of node rank 0)")
+
+
+def test_every_node_of_a_run_gets_the_same_rendezvous_and_launch_ids(tmp_path, fake_bin):
+    """Without SLURM_JOB_ID the c10d rendezvous id and the markers' launch id come from what all nodes are given
+    alike (the rank 0 node writes the marker, each node's launcher looks for its launch id in it); a single-node
+    launch has an id of its own."""
+    show = 'echo "launch_id=$DDP_KIT_LAUNCH_ID"'
+    seen = set()
+    for rank in ("0", "1"):
+        r = launch(["--cpu", "--nnodes", "2", "--node-rank", rank, "--master-addr", "10.0.0.1", "--master-port", "29600",
+                    "--max-restarts", "1"], tmp_path, fake_bin, FAKE_TORCHRUN_THEN=show)
+        args = torchrun_args(r)
+        seen.add((args[args.index("--rdzv_id") + 1], r.stdout.split("launch_id=")[1].split()[0]))
+    assert len(seen) == 1 and "29600" in seen.pop()[0], seen
+    ids = {launch(["--cpu"], tmp_path, fake_bin, FAKE_TORCHRUN_THEN=show).stdout.split("launch_id=")[1].split()[0]
+           for _ in range(2)}
+    assert len(ids) == 2, ids
+
+
+def test_cpu_ranks_share_the_cores_this_process_may_use_at_least_one_thread_each(tmp_path, fake_bin):
+    """Cores as `nproc` counts them, within the CPU affinity (taskset, a SLURM allocation), not the machine's."""
+    core = min(os.sched_getaffinity(0))
+    pinned = [sys.executable, "-c", f"import os, sys; os.sched_setaffinity(0, {{{core}}}); "
+                                    "os.execvp('bash', ['bash', *sys.argv[1:]])", LAUNCHER]
+    for nproc in ("1", "2"):  # one core: one thread per rank, never 0
+        r = run([*pinned, "--cpu", "--nproc", nproc], cwd=tmp_path, timeout=30,
+                env=fake_env(fake_bin, OMP_NUM_THREADS=""))
+        assert r.returncode == 0 and "OMP_NUM_THREADS=1\n" in r.stdout, r.stdout
+    r = launch(["--cpu", "--nproc", "0"], tmp_path, fake_bin, OMP_NUM_THREADS="")
+    failed(r, "--nproc must be >= 1")  # refused before the cores are divided by it
+    assert "division" not in r.stdout, r.stdout
+
+
 @pytest.mark.parametrize("sig", [pytest.param(signal.SIGHUP, marks=pytest.mark.skipif(
     SIGHUP_IGNORED, reason="started under nohup: bash cannot trap SIGHUP")), signal.SIGQUIT, signal.SIGINT])
 def test_sighup_sigquit_and_sigint_reach_torchrun_as_sigterm(tmp_path, fake_bin, sig):
@@ -179,6 +254,45 @@ def test_sighup_sigquit_and_sigint_reach_torchrun_as_sigterm(tmp_path, fake_bin,
         proc.send_signal(sig)
         proc.communicate(timeout=20)
     assert (tmp_path / "got").read_text().strip() == "TERM"
+
+
+def wait_for(condition, proc, what: str, timeout: float = 20) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline and proc.poll() is None, what
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_sigterm_and_sigusr1_reach_torchrun_as_themselves(tmp_path, fake_bin, sig):
+    """SLURM's --signal=USR1@... warning goes on as SIGUSR1, which the trainers save on."""
+    then = ('trap "echo TERM > got; exit 1" TERM; trap "echo USR1 > got; exit 1" USR1; touch ready; '
+            'while :; do sleep 0.1; done')
+    with background(["bash", LAUNCHER, "--cpu"], tmp_path, env=fake_env(fake_bin, FAKE_TORCHRUN_THEN=then)) as proc:
+        wait_for((tmp_path / "ready").exists, proc, "the fake torchrun did not start")
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=20)
+    assert (tmp_path / "got").read_text().strip() == sig.name[3:], out
+
+
+def test_a_second_stop_signal_is_not_passed_on(tmp_path, fake_bin):
+    """torchrun restarts its shutdown wait on a second stop signal and gives up on its workers at a third: a
+    scheduler's final signal or a second Ctrl-C after the first stop reaches only the launcher."""
+    then = "trap 'echo TERM >> got' TERM; touch ready; while [ ! -f done ]; do sleep 0.1; done; exit 1"
+    log = tmp_path / "launcher.log"
+    with open(log, "w") as out, background(["bash", LAUNCHER, "--cpu"], tmp_path, stdout=out,
+                                           env=fake_env(fake_bin, FAKE_TORCHRUN_THEN=then)) as proc:
+        wait_for((tmp_path / "ready").exists, proc, "the fake torchrun did not start")
+        proc.send_signal(signal.SIGTERM)
+        wait_for((tmp_path / "got").exists, proc, "the first SIGTERM did not reach torchrun")
+        proc.send_signal(signal.SIGINT)
+        wait_for(lambda: "SIGINT received" in log.read_text() or len((tmp_path / "got").read_text().split()) > 1,
+                 proc, "the launcher did not answer the second signal")
+        (tmp_path / "done").touch()
+        proc.wait(timeout=20)
+    text = log.read_text()
+    assert (tmp_path / "got").read_text() == "TERM\n", text
+    assert "SIGINT received; already stopping on SIGTERM, the workers have up to 300s to save" in text, text
 
 
 def test_a_stop_while_the_gpus_are_counted_exits_75_before_torchrun_starts(tmp_path, fake_bin):
@@ -220,6 +334,18 @@ def test_arguments_with_spaces_and_globs_reach_the_script_whole(tmp_path, fake_b
     assert r.returncode == 0, r.stdout
     for whole in ("[--log_dir][my logs]", "[--checkpoint_dir][ckpt *]", "[--run_name][a b]", "[--data][*]"):
         assert whole in r.stdout, (whole, r.stdout)
+
+
+def test_script_and_launcher_paths_with_spaces_stay_whole(tmp_path, fake_bin):
+    executable(tmp_path / "my scripts" / "train.py", "")
+    r = launch(["--cpu", "--script", "my scripts/train.py"], tmp_path, fake_bin)
+    assert r.returncode == 0 and "[my scripts/train.py][--device]" in r.stdout, r.stdout
+    kit = tmp_path / "my kit"  # the kit itself in a directory with a space, run from elsewhere
+    executable(kit / "launch_training.sh", LAUNCHER.read_text())
+    executable(kit / "ddp_training.py", "")
+    (tmp_path / "work").mkdir()
+    r = launch(["--cpu"], tmp_path / "work", fake_bin, launcher=kit / "launch_training.sh")
+    assert r.returncode == 0 and f"[{kit / 'ddp_training.py'}][--device]" in r.stdout, r.stdout
 
 
 def test_torchrun_gives_the_workers_300_s_to_save_unless_told_otherwise(tmp_path, fake_bin):
@@ -270,6 +396,10 @@ def write_marker(path: Path, step: int = 7) -> None:
     (["--", "--run_name", "exp1/lr3e-4"], "runs/exp1/lr3e-4"),                # a nested run name
     (["--", "--run-name=a/b/c"], "runs/a/b/c"),
     (["--script", "vj2ac_train_multi_gpu.py", "--", "--run_name", "v/1"], "checkpoints/v/1"),
+    (["--", "--log_dir", "elsewhere"], "elsewhere"),
+    (["--script", "vj2ac_train_multi_gpu.py", "--", "--checkpoint-dir", "ck"], "ck"),
+    (["--script", "vj2ac_train_multi_gpu.py", "-c", "ck", "--", "--run_name", "v"], "ck"),
+    (["--", "--run_name", "a", "--run_name", "b"], "runs/b"),                 # argparse takes the last one
 ])
 def test_a_failed_torchrun_with_a_new_marker_exits_75(tmp_path, fake_bin, argv, log_dir):
     # the launcher gets the stop and passes it on; the ranks save and leave the marker; torchrun exits 1
@@ -465,17 +595,20 @@ def test_two_nodes_with_max_restarts_recover_from_a_killed_worker(tmp_path):
 
 # -- SLURM ---------------------------------------------------------------------------------------------------
 
-def sbatch(tmp_path, fake_bin, marker: bool, extra=(), kit=REPO, **env):
-    """The sbatch script with fake srun (prints its arguments, optionally leaves a PREEMPTED marker in the
-    --log_dir it was given) and scontrol (prints what it was asked)."""
-    preempt = 'while [[ $1 != --log_dir ]]; do shift; done; mkdir -p "$2"; echo "{}" > "$2/PREEMPTED"; exit 75\n'
-    executable(fake_bin / "srun", '#!/bin/bash\nprintf "[%s]" "$@"; echo\n' + (preempt if marker else ""))
-    executable(fake_bin / "scontrol", '#!/bin/sh\n[ "$1" = show ] && echo node1 || echo "scontrol $*"\n')
-    slurm = dict(SLURM_JOB_NAME="ddp-train", SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node1", SLURM_CPUS_PER_TASK="8")
+def sbatch(tmp_path, fake_bin, marker: bool, extra=(), kit=REPO, status=75, **env):
+    """The sbatch script with fake srun (prints the rendezvous it was given and its arguments, optionally leaves
+    a PREEMPTED marker in the --log_dir it was given and exits `status`) and scontrol (the job's nodes are node1
+    and node2; prints what else it was asked)."""
+    preempt = f'while [[ $1 != --log_dir ]]; do shift; done; mkdir -p "$2"; echo "{{}}" > "$2/PREEMPTED"; exit {status}\n'
+    executable(fake_bin / "srun", '#!/bin/bash\necho "MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT"\n'
+                                  'printf "[%s]" "$@"; echo\n' + (preempt if marker else ""))
+    executable(fake_bin / "scontrol", '#!/bin/sh\n[ "$1" = show ] && printf "node1\\nnode2\\n" || echo "scontrol $*"\n')
+    slurm = dict(SLURM_JOB_NAME="ddp-train", SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node[1-2]",
+                 SLURM_CPUS_PER_TASK="8")
     if kit is not None:
         slurm["KIT_DIR"] = str(kit)
     return run(["bash", SBATCH, "--max_steps", "10", *extra], cwd=tmp_path, timeout=30,
-               env=clean_env(PATH=f"{fake_bin}:/usr/bin:/bin", **slurm, **env))
+               env=clean_env(PATH=f"{fake_bin}:/usr/bin:/bin", **{**slurm, **env}))
 
 
 def test_slurm_run_name_is_unique_per_job_and_requeues_on_preemption(tmp_path, fake_bin):
@@ -504,6 +637,29 @@ def test_slurm_run_name_is_unique_per_job_and_requeues_on_preemption(tmp_path, f
     r = sbatch(tmp_path, fake_bin, marker=True, extra=["--log_dir=elsewhere"])
     assert r.returncode == 2 and "--log_dir=elsewhere: the run dirs are runs/<run>" in r.stdout, r.stdout
     assert "[--max_steps]" not in r.stdout and not (tmp_path / "elsewhere").exists()
+
+
+def test_slurm_job_meets_on_its_first_node_and_srun_gets_every_flag_whole(tmp_path, fake_bin):
+    r = sbatch(tmp_path, fake_bin, marker=False, extra=["--config", "my configs/lm.yaml"], SLURM_JOB_ID="123456")
+    assert r.returncode == 0, r.stdout
+    assert "MASTER_ADDR=node1 MASTER_PORT=23456\n" in r.stdout, r.stdout  # a port per job: jobs may share a node
+    # one failed task ends the step, instead of its peers waiting for it until the time limit
+    assert r.stdout.startswith("MASTER_ADDR=node1 MASTER_PORT=23456\n[--kill-on-bad-exit=1]"), r.stdout
+    assert "[--max_steps][10][--config][my configs/lm.yaml]\n" in r.stdout, r.stdout
+
+
+def test_slurm_requeues_on_the_marker_whatever_srun_exits(tmp_path, fake_bin):
+    """srun's status is that of whichever task failed first (or was killed): the marker decides."""
+    r = sbatch(tmp_path, fake_bin, marker=True, status=1)
+    assert r.returncode == 1 and "scontrol requeue 4242" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("flag", ["--log_dir", "--log-dir", "--checkpoint_dir", "--checkpoint-dir"])
+def test_slurm_refuses_a_run_dir_of_the_users_own_in_either_form(tmp_path, fake_bin, flag):
+    for extra, shown in (([flag, "elsewhere"], flag), ([f"{flag}=elsewhere"], f"{flag}=elsewhere")):
+        r = sbatch(tmp_path, fake_bin, marker=True, extra=extra)
+        assert r.returncode == 2 and f"{shown}: the run dirs are runs/<run>, checkpoints/<run>" in r.stdout, r.stdout
+        assert "[--max_steps]" not in r.stdout and not (tmp_path / "elsewhere").exists()
 
 
 @pytest.mark.multi
