@@ -173,7 +173,8 @@ def test_checkpoint(tmp_path):
             # the window of a save: from its step to the first step that ends after its files are written
             positive(loop["write_done_s"])
             windows = loop["window_steps"]
-            assert len(windows) == 2 and all(w is None or 1 <= w <= 3 for w in windows)
+            # saves at steps 3 and 6 of 7: a write may outlast every step left after its save (on a busy machine)
+            assert len(windows) == 2 and all(w is None or 1 <= w <= 7 - s for s, w in zip((3, 6), windows)), windows
             measured = [w for w in windows if w is not None]
             if loop["window_base_step_s"] is None:  # every step after step 2 in some save's window
                 assert loop["window_cost_runs"] == [] and loop["window_cost_s"] is None
