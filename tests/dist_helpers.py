@@ -45,6 +45,9 @@ _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "num
                              "ddp_training"])
 
 
+_server_pid = [None]  # the forkserver _start_server last warmed
+
+
 def _start_server() -> None:
     """Python 3.11's server imports its preload from its working directory (it ignores sys.path): start it
     in the repository, whatever directory the first test that spawns has moved to. A first child is forked
@@ -62,8 +65,6 @@ def _start_server() -> None:
     finally:
         os.chdir(here)
 
-
-_server_pid = [None]
 
 
 def _entry(fn, rank, world_size, port, queue, args, env):

@@ -282,16 +282,19 @@ def test_memory_manager_warns_and_cleans(tmp_path, monkeypatch, caplog):
     assert sum("exceeds max_memory_gb" in r.message for r in caplog.records) == 2
 
 
+class MemoryInfo:
+    """psutil's memory_info(), as readings in GiB of RSS and of its shared (file-backed) part."""
+
+    def __init__(self, rss, shared):
+        self.rss, self.shared = int(rss * 2**30), int(shared * 2**30)
+
+
 def test_memory_peaks_are_the_highest_readings_so_far(monkeypatch):
     """cpu_peak_rss_gb and cpu_peak_anon_gb (the run summary's peak_rss_gb, peak_anon_gb) hold the highest
     reading of any call, not the latest one."""
     readings = iter([(3, 1), (2, 0.5), (1, 0.25)])  # (rss, shared) in GiB, falling
-
-    class Info:
-        def __init__(self, rss, shared):
-            self.rss, self.shared = int(rss * 2**30), int(shared * 2**30)
     mm = rt.MemoryManager(torch.device("cpu"), logging.getLogger("memtest"))
-    monkeypatch.setattr(mm.process, "memory_info", lambda: Info(*next(readings)))
+    monkeypatch.setattr(mm.process, "memory_info", lambda: MemoryInfo(*next(readings)))
     stats = [mm.stats() for _ in range(3)]
     assert [(s["cpu_rss_gb"], s["cpu_anon_gb"]) for s in stats] == [(3, 2), (2, 1.5), (1, 0.75)]
     assert (stats[-1]["cpu_peak_rss_gb"], stats[-1]["cpu_peak_anon_gb"]) == (3, 2)
@@ -301,12 +304,8 @@ def test_the_memory_limit_warning_reads_anonymous_memory(monkeypatch, caplog):
     """max_memory_gb is compared with anonymous memory (RSS less shared, file-backed pages), not RSS: 3 GiB of
     RSS that is mostly mapped data stays under a 1 GiB limit; 1.5 GiB of anonymous memory exceeds it."""
     readings = iter([(3, 2.5), (3, 1.5)])  # (rss, shared) in GiB
-
-    class Info:
-        def __init__(self, rss, shared):
-            self.rss, self.shared = int(rss * 2**30), int(shared * 2**30)
     mm = rt.MemoryManager(torch.device("cpu"), logging.getLogger("memtest"), check_interval=1, max_memory_gb=1.0)
-    monkeypatch.setattr(mm.process, "memory_info", lambda: Info(*next(readings)))
+    monkeypatch.setattr(mm.process, "memory_info", lambda: MemoryInfo(*next(readings)))
     with caplog.at_level(logging.WARNING, logger="memtest"):
         mm.on_step(1)
         assert not caplog.records
