@@ -195,10 +195,11 @@ def test_checkpoint(tmp_path):
 # broken kill fails the test instead of hanging it): it must stop at the timeout with an error naming the flag,
 # and leave no process behind (the spawned ranks outlive a killed parent unless they are killed too).
 OVERRUN = """
-import argparse, json, sys, time
+import argparse, ctypes, json, sys, time
 from pathlib import Path
 import psutil
 import benchmark
+ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: orphaned ranks of a killed run become children here
 steps, timeout = 20000, float(sys.argv[2])
 # 25 ms a step here: minutes of work, which a machine 10x as fast would still take far past the timeout to do
 cfg = dict(vocab_size=64, hidden_size=128, num_layers=2, num_heads=2, seq_len=32, batch_size=4, seed=0, device="cpu",
@@ -209,9 +210,13 @@ try:
     benchmark.bare_scaling_run(args, 2, Path(sys.argv[1]) / "bare", cfg)
 except benchmark.RunTimeout as exc:
     error = str(exc)
-time.sleep(0.5)  # a killed process is gone at once; one that escaped would still be listed
-print(json.dumps({"error": error, "seconds": time.monotonic() - start,
-                  "left": [p.pid for p in psutil.Process().children(recursive=True)]}))
+seconds = time.monotonic() - start
+def alive():
+    return [p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+deadline = time.monotonic() + 10  # a SIGKILL lands at once; a process it missed would still run at the end
+while alive() and time.monotonic() < deadline:
+    time.sleep(0.1)
+print(json.dumps({"error": error, "seconds": seconds, "left": alive()}))
 """
 
 
