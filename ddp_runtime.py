@@ -1690,9 +1690,13 @@ def keep_newest(paths: list, keep: int) -> list:
     """Delete all but the `keep` newest of `paths` (sorted oldest first), with their sidecars."""
     removed = paths[:-keep] if keep > 0 else []
     for p in removed:
-        Path(p).unlink(missing_ok=True)
-        Path(str(p) + ".sha256").unlink(missing_ok=True)
+        remove_with_sidecar(p)
     return removed
+
+
+def remove_with_sidecar(path) -> None:
+    Path(path).unlink(missing_ok=True)
+    Path(str(path) + ".sha256").unlink(missing_ok=True)
 
 
 def unwrap_state_dict(model: torch.nn.Module) -> dict:

@@ -26,6 +26,7 @@ import argparse
 import collections.abc
 import contextlib
 import dataclasses
+import datetime
 import hashlib
 import io
 import json
@@ -36,7 +37,6 @@ import os
 import random
 import re
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -2173,6 +2173,19 @@ class DDPTrainer:
         rt.run_on_rank0(self._write_completed_marker, summary, what="writing the COMPLETED marker")
         return {**summary, "already_complete": True}
 
+    def _complete_run_dir(self, summary: dict) -> None:
+        """A resumed run that finished: the weights of the stop it resumed from are not the run's last any
+        more (the final ones are), and a user who finds them beside the final ones cannot tell which to take.
+        A fresh run has set any of them aside at its start (_set_aside_old_states)."""
+        stale = self.checkpoint_path("interrupted")
+        if self.resumed_from is not None and stale.exists():
+            step = self._saved_step(stale)
+            if step is not None and step <= self.global_step:
+                rt.remove_with_sidecar(stale)
+                self.log.info("removed %s (step %d, where the run was stopped): %s holds its end (step %d)",
+                              stale, step, self.checkpoint_path("final"), self.global_step)
+        self._write_completed_marker(summary)
+
     def _write_completed_marker(self, summary: dict) -> None:
         record = rt.with_launch_id({"total_steps": self.total_steps, "stop": self._stop_rule(), "summary": summary})
         rt.atomic_write_text(Path(self.cfg.log_dir) / COMPLETED_MARKER, json_line(record) + "\n")
@@ -2572,7 +2585,7 @@ class DDPTrainer:
             summary["cuda_peak_gb"] = memory["cuda_peak_gb"]
         self.write_metrics({"type": "summary", **summary})
         if status != "interrupted":  # last: a relaunch of this run then has nothing to do
-            rt.run_on_rank0(self._write_completed_marker, summary, what="writing the COMPLETED marker")
+            rt.run_on_rank0(self._complete_run_dir, summary, what="writing the COMPLETED marker")
         self.log.info("finished (%s): %s", status, json_line(summary))
         return summary
 
@@ -2697,18 +2710,12 @@ def config_from_args(args: argparse.Namespace) -> dict:
     return cfg
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def nproc_port() -> int:
-    """The rendezvous port of an --nproc run: MASTER_PORT where it is set (a port a firewall leaves open, or
-    one no other program on the machine picks), else one the kernel says is free now."""
+    """The rendezvous port of an --nproc run: MASTER_PORT where it is set (a port a firewall leaves open),
+    else 0: any port the kernel gives the store (see rendezvous_store)."""
     text = os.environ.get("MASTER_PORT", "").strip()
     if not text:
-        return free_port()
+        return 0
     if not text.isdigit() or not 1 <= int(text) <= 65535:
         raise ValueError(f"MASTER_PORT={text!r} in the environment: expected a port number from 1 to 65535 "
                          f"(or unset, for a free one)")
@@ -2796,11 +2803,29 @@ def _a_rank_died_of_the_stop(procs: list, forwarded: list) -> bool:
     return bool(forwarded) and any(p.exitcode == -forwarded[0] != -signal.SIGINT for p in procs)
 
 
+# What an --nproc run sets for its ranks, and puts back when they are done
+RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
+
+
+def rendezvous_store(port: int):
+    """The TCP store an --nproc run's ranks meet on, hosted by this process on `port` (0: one the kernel picks
+    while binding it). A port picked free and then bound by rank 0 seconds later could be taken in between
+    (a sweep of --nproc runs started together); the ranks connect to this one as clients, as under torchrun's
+    agent (TORCHELASTIC_USE_AGENT_STORE)."""
+    try:
+        return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=60))
+    except RuntimeError as exc:  # DistNetworkError: the port is taken
+        raise ValueError(f"MASTER_PORT={port}: cannot listen there for the ranks' rendezvous "
+                         f"({str(exc).strip().splitlines()[-1]}); unset MASTER_PORT for a free port") from None
+
+
 def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker, early: Optional[rt.FirstSignal] = None,
                 port: Optional[int] = None) -> int:
-    """Run `worker(rank, nproc, cfg, requested)` on `nproc` local processes (torch.multiprocessing, on `port`
-    or nproc_port()), for users without torchrun. Returns the exit status: 0, EXIT_PREEMPTED, EXIT_BAD_INPUT, 128 + a
-    signal that ended a rank's set-up (Ctrl-C: 130; a second SIGTERM: 143), as a single process exits, or 1.
+    """Run `worker(rank, nproc, cfg, requested)` on `nproc` local processes (torch.multiprocessing, meeting on
+    the store that rendezvous_store hosts here on `port` or nproc_port()), for users without torchrun. Returns the
+    exit status: 0, EXIT_PREEMPTED, EXIT_BAD_INPUT (a MASTER_PORT that is taken, too), 128 + a signal that ended a
+    rank's set-up (Ctrl-C: 130; a second SIGTERM: 143), as a single process exits, or 1.
 
     A signal passed on to a rank between its fork and its exec is taken by the handler it inherited from
     this process and lost; `requested` (shared memory) holds the first stop, and each rank reads it once it
@@ -2810,8 +2835,12 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker, early: Optional[r
     here in a temporary dir), and this process prints it: rank 0 printing it could be ended by torch first,
     when a peer refused and exited before it. `early`: a stop this process caught before it got here."""
     import torch.multiprocessing as mp
-    rendezvous = {var: os.environ.get(var) for var in ("MASTER_ADDR", "MASTER_PORT")}  # put back at the end
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port or nproc_port()))
+    try:
+        store = rendezvous_store(port or nproc_port())
+    except ValueError as exc:
+        return rt.refuse(str(exc))
+    rendezvous = {var: os.environ.get(var) for var in RENDEZVOUS_VARS}  # put back at the end
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True")
     reasons = tempfile.TemporaryDirectory(prefix="ddp_training_nproc_")
     refusal = Path(reasons.name) / "error.json"  # ranks refusing for different reasons: one of them
     outer_error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")

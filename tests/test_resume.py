@@ -71,11 +71,15 @@ def test_stop_and_resume_is_bit_identical_one_process(tmp_path, no_launch_env, r
     first = DDPTrainer(config=cfg_for(tmp_path), loss_fn=SignalAt(stop_at)).train()
     assert first["status"] == "interrupted" and first["steps"] == stop_at
     assert json.loads((tmp_path / "logs" / "PREEMPTED").read_text())["step"] == stop_at
+    stopped = tmp_path / "ckpt" / "model_interrupted.pt"
+    assert torch.load(stopped, weights_only=True)["global_step"] == stop_at
     second = DDPTrainer(config=cfg_for(tmp_path)).train()  # resume: auto, the default
     assert second["status"] == "completed" and second["resumed_from"].endswith(f"state_step_{stop_at}.pt")
     assert_bit_identical(final_weights(tmp_path), reference_1)
     assert train_steps(tmp_path) == list(range(1, 21))  # the resumed curve has no duplicates
     assert not (tmp_path / "logs" / "PREEMPTED").exists()
+    # the stop's weights are not the run's last any more: only model_final.pt is left to take
+    assert not stopped.exists() and not Path(f"{stopped}.sha256").exists()
 
 
 def test_a_stop_at_the_last_step_of_the_last_epoch_resumes_into_that_epochs_end(tmp_path, no_launch_env):
@@ -706,6 +710,8 @@ def test_vj2_sigterm_then_relaunch_is_bit_identical(tmp_path, vj2_root):
         agent.communicate(timeout=60)
     step = json.loads((run_dir / "PREEMPTED").read_text())["step"]
     assert 25 <= step < 80
+    assert (run_dir / "vjepa2_interrupted.pt").exists()
     out = run_to_end(cmd, tmp_path, 180)
     assert (run_dir / "vjepa2_final.pt").exists(), out[-3000:]
     assert_bit_identical(vj2_final(run_dir), vj2_final(ref))
+    assert not (run_dir / "vjepa2_interrupted.pt").exists()

@@ -909,7 +909,14 @@ def nproc_env(**extra) -> dict:
 
 
 def _says_its_port(rank, world_size, cfg, requested):
-    Path(cfg["out"], f"rank_{rank}").write_text(os.environ["MASTER_PORT"])
+    """Writes the port it meets on, and whether its parent (spawn_local) was listening there before it met."""
+    port = int(os.environ["MASTER_PORT"])
+    held = any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+               for c in psutil.Process(os.getppid()).net_connections(kind="tcp"))
+    env = rt.setup_distributed(rank, world_size, device="cpu")
+    torch.distributed.barrier()
+    Path(cfg["out"], f"rank_{rank}").write_text(json.dumps([port, held, env.world_size]))
+    rt.teardown_distributed(synchronize=True)
     rt.exit_process(0)
 
 
@@ -919,12 +926,31 @@ def test_nproc_meets_on_master_port_where_it_is_set_and_puts_the_environment_bac
     monkeypatch.setenv("MASTER_PORT", str(port))
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     assert ddp_training.spawn_local(2, {"out": str(tmp_path)}, worker=_says_its_port) == 0
-    assert [(tmp_path / f"rank_{r}").read_text() for r in (0, 1)] == [str(port)] * 2
+    assert [json.loads((tmp_path / f"rank_{r}").read_text()) for r in (0, 1)] == [[port, True, 2]] * 2
     assert os.environ["MASTER_PORT"] == str(port) and "MASTER_ADDR" not in os.environ
+    assert "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
+    with socket.socket() as taken:  # another program listens there: one clear error, no rank started
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        code, out = run_script_forked("ddp_training", ["--cpu", "--nproc", "2"], tmp_path, dict(os.environ))
+    assert code == 2 and f"error: MASTER_PORT={port}: cannot listen there for the ranks' rendezvous" in out, out
+    assert "Traceback" not in out and not (tmp_path / "runs").exists(), out
     for bad in ("abc", "0", "70000"):
         monkeypatch.setenv("MASTER_PORT", bad)
         code, out = run_script_forked("ddp_training", ["--cpu", "--nproc", "2"], tmp_path, dict(os.environ))
         assert code == 2 and f"error: MASTER_PORT={bad!r} in the environment: expected a port number" in out, out
+
+
+def test_nproc_hosts_its_rendezvous_store_itself(tmp_path, monkeypatch):
+    """Without MASTER_PORT, the port was one the kernel said was free, released, and bound by rank 0 seconds
+    later: another program (a second --nproc run of a sweep) could take it in between. The launching process
+    now holds it from before the ranks start, and they meet there."""
+    import ddp_training
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    assert ddp_training.spawn_local(2, {"out": str(tmp_path)}, worker=_says_its_port) == 0
+    (port, held, size), second = (json.loads((tmp_path / f"rank_{r}").read_text()) for r in (0, 1))
+    assert held and size == 2 and second == [port, True, 2] and port > 0
+    assert "MASTER_PORT" not in os.environ and "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
 
 
 def _rank_1_refuses(rank, world_size, cfg, requested):
