@@ -13,14 +13,21 @@ all-reduced value, so all ranks take the same branch at the same step.
 
 from __future__ import annotations
 
+import os
+import signal
+
 # Run as a script, the stop signals that schedulers send are caught from here, before torch's import
 # (seconds): one that arrives then stops the run at its first step with a marker (a SLURM job is then
 # requeued) instead of killing the rank. train_preemptible takes them over.
 EARLY_STOPS: list = []
 if __name__ == "__main__":
-    import signal
     for _sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(_sig, lambda signum, frame: EARLY_STOPS.append(signum))
+    # A Ctrl-C in the imports ends the process as Python's own does (death by SIGINT), but with one line in
+    # place of the import machinery's traceback; Python's handler is back before main()
+    signal.signal(signal.SIGINT, lambda signum, frame: (
+        os.write(2, b"stopped by Ctrl-C while starting: nothing ran\n"), signal.signal(signum, signal.SIG_DFL),
+        os.kill(os.getpid(), signum)))
 
 import argparse
 import collections.abc
@@ -33,10 +40,8 @@ import json
 import logging
 import math
 import numbers
-import os
 import random
 import re
-import signal
 import sys
 import tempfile
 import time
@@ -2926,4 +2931,5 @@ def main(argv: Optional[list] = None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     rt.exit_process(main())

@@ -19,12 +19,19 @@ holding `predictor`, `global_step`, `predictor_config`, `rollout_horizon`, `data
 training data), and `val_loss` when a validation ran at that step.
 """
 
+import os
+import signal
+
 # The stop signals that schedulers send are caught from here, before torch's import: see ddp_training.py
 EARLY_STOPS: list = []
 if __name__ == "__main__":
-    import signal
     for _sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(_sig, lambda signum, frame: EARLY_STOPS.append(signum))
+    # A Ctrl-C in the imports ends the process as Python's own does (death by SIGINT), but with one line in
+    # place of the import machinery's traceback; Python's handler is back before main()
+    signal.signal(signal.SIGINT, lambda signum, frame: (
+        os.write(2, b"stopped by Ctrl-C while starting: nothing ran\n"), signal.signal(signum, signal.SIG_DFL),
+        os.kill(os.getpid(), signum)))
 
 import argparse
 import json
@@ -625,4 +632,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     rt.exit_process(main())

@@ -1184,6 +1184,30 @@ def test_ctrl_c_during_the_set_up_of_an_nproc_run_is_no_success(tmp_path, when):
     assert not (tmp_path / "logs" / "COMPLETED").exists() and not (tmp_path / "ckpt" / "model_final.pt").exists()
 
 
+def torch_is_loading(pid: int) -> bool:
+    """Whether the process has begun to import torch (its shared library is mapped), so that it is past its
+    first lines and the import has seconds left."""
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("script", ["ddp_training.py", "vj2ac_train_multi_gpu.py"])
+def test_ctrl_c_while_torch_is_imported_is_one_line_and_death_by_sigint(tmp_path, script):
+    """Ctrl-C in a script's first seconds (importing torch) printed the import machinery's traceback; it is
+    one line now, and the process still dies of SIGINT as Python's own Ctrl-C exit does (a shell or launcher
+    sees a Ctrl-C, not an error)."""
+    with background([sys.executable, REPO / script, "--cpu", "--test"], tmp_path, stderr=subprocess.PIPE) as proc:
+        deadline = time.time() + 60
+        while not torch_is_loading(proc.pid) and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGINT, err
+    assert err == "stopped by Ctrl-C while starting: nothing ran\n" and not list(tmp_path.iterdir()), err
+
+
 def test_a_ctrl_c_passed_on_before_a_rank_had_its_handler_stops_its_set_up_at_once(tmp_path):
     """spawn_local notes the signals it passes on, for a rank that lost them between its fork and its exec.
     A Ctrl-C noted there is a KeyboardInterrupt before set-up (exit 130), not a stop that trains a step."""
