@@ -2105,9 +2105,9 @@ class DDPTrainer:
             if isinstance(exc, Exception) and not isinstance(exc, StepFailed) and is_collective_error(exc):
                 # a peer failed outside a training step (validation, a save, a metrics write): name it
                 explained = self._explain_failure(exc)
-                self.log.error("training failed at step %d: %s", self.global_step, explained)
+                self.log.error("training failed after step %d: %s", self.global_step, explained)
                 raise explained from exc
-            self.log.error("training failed at step %d: %s: %s", self.global_step, type(exc).__name__, exc)
+            self.log.error("training failed after step %d: %s: %s", self.global_step, type(exc).__name__, exc)
             if not isinstance(exc, StepFailed):  # the original error: let the other ranks name it
                 rt.write_failure_marker(self.cfg.log_dir, self.env.rank, self.global_step + 1, exc)
             raise
@@ -2825,6 +2825,10 @@ def rendezvous_store(port: int):
                          f"({str(exc).strip().splitlines()[-1]}); unset MASTER_PORT for a free port") from None
 
 
+def not_ending_a_rank(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Terminating process")
+
+
 def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker, early: Optional[rt.FirstSignal] = None,
                 port: Optional[int] = None) -> int:
     """Run `worker(rank, nproc, cfg, requested)` on `nproc` local processes (torch.multiprocessing, meeting on
@@ -2866,6 +2870,9 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker, early: Optional[r
     if stopped_early:  # the ranks read it once they have their handlers: a signal now would end their import
         forwarded.append(stopped_early)
         requested.value = stopped_early
+    # torch names each rank it ends once another has failed: noise above the one line that says why (below)
+    spawn_log = logging.getLogger("torch.multiprocessing.spawn")
+    spawn_log.addFilter(not_ending_a_rank)
     try:
         os.environ["TORCHELASTIC_ERROR_FILE"] = str(refusal)
         context = mp.start_processes(worker, args=(nproc, cfg, requested), nprocs=nproc, join=False,
@@ -2893,8 +2900,13 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker, early: Optional[r
             return exc.exit_code
         # Ctrl-C while the ranks import torch: Python's KeyboardInterrupt there is exit 1, or death by SIGINT
         ctrl_c = forwarded[:1] == [signal.SIGINT] and exc.exit_code in (1, -signal.SIGINT)
+        if exc.exit_code < 0 and not forwarded:  # its peers can only report the connection it broke
+            oom = " (the kernel's OOM killer sends SIGKILL: see dmesg)" if exc.exit_code == -signal.SIGKILL else ""
+            print(f"error: rank {exc.error_index} (pid {exc.error_pid}) was killed by {exc.signal_name}{oom}",
+                  file=sys.stderr, flush=True)
         return 128 + signal.SIGINT if ctrl_c else 1
     finally:
+        spawn_log.removeFilter(not_ending_a_rank)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         for var, value in {**rendezvous, "TORCHELASTIC_ERROR_FILE": outer_error_file}.items():

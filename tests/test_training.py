@@ -8,6 +8,7 @@ Also runs as a script:  python tests/test_training.py [--skip-multi] [--keep-dat
 import contextlib
 import importlib.util
 import json
+import logging
 import math
 import os
 import random
@@ -981,6 +982,24 @@ def test_a_rank_that_failed_before_the_parent_waits_is_not_waited_past():
     finally:
         os.close(quiet_r)
         os.close(quiet_w)
+
+
+def _rank_1_is_killed(rank, world_size, cfg, requested):
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer ends a process
+    time.sleep(60)  # torch ends rank 0 once rank 1 is gone
+
+
+def test_nproc_names_a_rank_that_was_killed(capfd, caplog):
+    """A rank killed from outside left its peers only a broken connection to report ("Connection closed by
+    peer"), and torch a warning for each rank it then ended; the parent knows which rank died, and of what."""
+    import ddp_training
+    assert ddp_training.spawn_local(2, {}, worker=_rank_1_is_killed) == 1
+    err = capfd.readouterr().err
+    assert re.search(r"^error: rank 1 \(pid \d+\) was killed by SIGKILL \(the kernel's OOM killer sends SIGKILL", err,
+                     re.M), err
+    assert not [r for r in caplog.records if "Terminating process" in r.getMessage()]
+    assert not logging.getLogger("torch.multiprocessing.spawn").filters  # the filter goes with the run
 
 
 def test_nproc_prints_the_reason_of_a_rank_that_refused_before_rank_0(capfd):
