@@ -33,7 +33,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import psutil
@@ -446,6 +446,25 @@ def exit_process(code: int) -> None:
     os._exit(code)
 
 
+# What a trainer logs, and a script prints, for a Ctrl-C that came before its first step (training_logs reads it)
+CTRL_C_BEFORE_TRAINING = "stopped by Ctrl-C before any training step: nothing to save"
+
+
+def run_script(main: Callable[[], int]) -> None:
+    """A script's main(), then exit_process with its status. Once a trainer trains it takes Ctrl-C over (a
+    stop with a save): a KeyboardInterrupt that gets here came before (set-up, an evaluation), and is one line
+    instead of a traceback, then death by SIGINT, as Python's own exit on Ctrl-C (a shell sees a Ctrl-C)."""
+    try:
+        code = main()
+    except KeyboardInterrupt:
+        logging.shutdown()
+        sys.stdout.flush()
+        print(CTRL_C_BEFORE_TRAINING, file=sys.stderr, flush=True)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    exit_process(code)
+
+
 # ----------------------------------------------------------------------------
 # Collective decisions: every rank takes the same branch at the same step
 # ----------------------------------------------------------------------------
@@ -550,6 +569,15 @@ def setup_logger(log_dir: str | os.PathLike, rank: int, debug: bool = False, nam
     return logger
 
 
+def log_to_file(logger: logging.Logger, level: int, message: str, exc_info=None) -> None:
+    """Into rank_N.log only (or the records kept for it), not the console: for an end of set-up that the
+    console is told in its own words (one `error:` line, say)."""
+    record = logger.makeRecord(logger.name, level, __file__, 0, message, None, exc_info)
+    for h in logger.handlers:
+        if isinstance(h, (logging.FileHandler, _KeptRecords)):
+            h.handle(record)
+
+
 class _KeptRecords(logging.Handler):
     """A log file to be (`path`): the records of a logger whose run dir is not known to be this run's yet."""
 
@@ -580,14 +608,15 @@ class _KeptRecords(logging.Handler):
 _KEPT_LOGS: "weakref.WeakSet[_KeptRecords]" = weakref.WeakSet()
 
 
-def write_kept_logs(error: Optional[str] = None) -> None:
+def write_kept_logs(error: Optional[str] = None, level: int = logging.ERROR) -> None:
     """Write the records kept for run dirs (setup_logger(keep=True)) into their files, for a set-up that ended
-    before its trainer took the dir, and the `error` that ended it: not into a dir another run holds."""
+    before its trainer took the dir, and the `error` that ended it (a `level` record): not into a dir another
+    run holds."""
     for handler in list(_KEPT_LOGS):
         if not handler.records:
             continue
         if error:
-            handler.records.append(logging.makeLogRecord({"levelname": "ERROR", "levelno": logging.ERROR,
+            handler.records.append(logging.makeLogRecord({"levelname": logging.getLevelName(level), "levelno": level,
                                                           "msg": error}))
         holder, lock = lock_unless_another_run(handler.path.parent)
         if holder is None:

@@ -1028,15 +1028,14 @@ class DDPTrainer:
         try:
             self._build(model, train_dataset, val_dataset, test_dataset, loss_fn, collate_fn,
                         checkpoint_extra, weights_key, count_unit, describe)
-        except BaseException:
+        except BaseException as exc:
             if hasattr(self, "run_lock"):
                 self.run_lock.release()
             if hasattr(self, "log"):  # the traceback into rank_N.log; the console gets the error from the caller
-                record = self.log.makeRecord(self.log.name, logging.ERROR, __file__, 0, "trainer set-up failed",
-                                             None, sys.exc_info())
-                for h in self.log.handlers:
-                    if isinstance(h, logging.FileHandler):
-                        h.handle(record)
+                if isinstance(exc, KeyboardInterrupt):
+                    rt.log_to_file(self.log, logging.WARNING, rt.CTRL_C_BEFORE_TRAINING)
+                else:
+                    rt.log_to_file(self.log, logging.ERROR, "trainer set-up failed", sys.exc_info())
                 rt.close_logger(self.log)
             rt.teardown_distributed()
             raise
@@ -1061,7 +1060,13 @@ class DDPTrainer:
                           f"out to take them from the launcher)")
             raise RunDirInUse(f"the run dirs (log_dir {cfg.log_dir}, checkpoint_dir {cfg.checkpoint_dir}) are in "
                               f"use by {holder}: {whose}")
-        self.log = rt.setup_logger(cfg.log_dir, env.rank, cfg.debug)
+        try:
+            self.log = rt.setup_logger(cfg.log_dir, env.rank, cfg.debug)
+        except ValueError as exc:  # one dir for both (the VJ2 script's default): name the one the user gave
+            if Path(cfg.log_dir).absolute() != Path(cfg.checkpoint_dir).absolute():
+                raise
+            raise ValueError(str(exc).replace(f"log_dir {cfg.log_dir}:", f"checkpoint_dir {cfg.checkpoint_dir} "
+                                              f"(the log_dir too):", 1)) from exc
         self._tb_writer = self._tensorboard_writer() if cfg.tensorboard else None
         self.log.info("rank %d/%d, local_rank %d, device %s, backend %s, timeout %.0fs",
                       env.rank, env.world_size, env.local_rank, env.device, env.backend or "none (1 process)",
@@ -1917,7 +1922,8 @@ class DDPTrainer:
     def _apply_state(self, state: dict, path: Path) -> None:
         missing = {"run", "model", "optimizer", "scheduler", "scaler", "counters", "rng"} - set(state)
         if missing:
-            raise KeyError(f"{path} is not a resumable state: it lacks {sorted(missing)}")
+            raise rt.CheckpointError(f"not a resumable state (a weights-only file?): it lacks {sorted(missing)}; "
+                                     f"the states are {self.cfg.checkpoint_prefix}_state_step_N.pt")
         # Another configuration is refused, never taken for damage: falling back past it would start
         # fresh and overwrite the finished run's weights.
         checks = [(key, state["run"][key], value) for key, value in self._run_signature().items()]
@@ -2691,6 +2697,13 @@ def add_config_flags(parser: argparse.ArgumentParser, keys: list, unset) -> None
                             help=f"{HELP[key]} (default: {'auto' if key in AUTO_KEYS else defaults[key]})", **switch)
 
 
+def epochs_rule(epochs, max_steps, source: str) -> None:
+    """A --num_epochs flag is the run's length: the max_steps of a preset or a file below it would end the run
+    first, or run it past those epochs (max_steps wins over num_epochs), and the flag would do nothing."""
+    print(f"note: --num_epochs {epochs} replaces max_steps={max_steps} of {source} (a --max_steps flag keeps one)",
+          file=sys.stderr)
+
+
 def config_from_args(args: argparse.Namespace) -> dict:
     """Defaults < YAML < --test preset < explicit flags."""
     cfg = config_from_yaml(args.config) if args.config else {}
@@ -2711,6 +2724,9 @@ def config_from_args(args: argparse.Namespace) -> dict:
     for f in dataclasses.fields(TrainConfig):
         if hasattr(args, f.name):  # given on the command line (flags default to "absent")
             cfg[f.name] = getattr(args, f.name)
+    if hasattr(args, "num_epochs") and not hasattr(args, "max_steps") and cfg.get("max_steps"):
+        epochs_rule(args.num_epochs, cfg["max_steps"], "--test" if args.test else f"--config {args.config}")
+        cfg["max_steps"] = 0
     TrainConfig.from_dict(cfg)  # fail here, before any process starts
     return cfg
 
@@ -2758,6 +2774,7 @@ def train_preemptible(build: Callable[[], "DDPTrainer"], log_dir, requested=None
         except KeyboardInterrupt:  # a Ctrl-C the watch saw, after the trainer was built: it lets go of it all
             if trainer is not None:
                 trainer.close()
+                rt.log_to_file(trainer.log, logging.WARNING, rt.CTRL_C_BEFORE_TRAINING)
                 rt.close_logger(trainer.log)
                 rt.teardown_distributed()
             raise
@@ -2944,4 +2961,4 @@ def main(argv: Optional[list] = None) -> int:
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    rt.exit_process(main())
+    rt.run_script(main)

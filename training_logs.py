@@ -15,7 +15,7 @@ samples trained over that time (so it includes validation and checkpoints), mfu 
 steps' model FLOPs utilisation (CUDA runs of models that count their FLOPs; "-" otherwise). A run whose
 metrics.jsonl has no complete record yet (it has just started) is a row with status "no records yet",
 unless its rank_0.log holds an error: "failed in set-up" (no metrics.jsonl) or "failed before its first
-record".
+record"; or "stopped in set-up" when a Ctrl-C ended its launch before its first step.
 
 Plot layout: the default loss-curve figure has one row per run (train loss, val loss, learning rate on a
 second y axis); --compare puts every run in one axes instead. A --metrics grid has one subplot per metric
@@ -54,6 +54,7 @@ SUMMARY_FIELDS = ("name", "status", "steps", "sessions", "final_val_loss", "best
 NO_RECORDS = "no records yet"
 SET_UP_FAILED = "failed in set-up"
 FAILED_EARLY = "failed before its first record"
+STOPPED_IN_SET_UP = "stopped in set-up"
 UNREADABLE = "unreadable"  # a run found by --all whose files are damaged: the others are still listed
 LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \[RANK \d+\] ")  # rt.setup_logger's format
 
@@ -72,6 +73,11 @@ class NoRecords(LogError):
 class SetUpFailed(NoRecords):
     """A run that logged an error before it trained a step (bad input, data that differs between ranks)."""
     status = SET_UP_FAILED
+
+
+class StoppedInSetUp(NoRecords):
+    """A launch that a Ctrl-C ended before it trained a step (nothing failed: it was asked to stop)."""
+    status = STOPPED_IN_SET_UP
 
 
 class FailedEarly(NoRecords):
@@ -286,6 +292,8 @@ def load_run(run_dir, name: Optional[str] = None) -> Run:
                       SetUpFailed(f"{run_dir}: failed before its first step: {error}"))
             failed.error = error
             raise failed from None
+        if log.is_file() and any(CTRL_C_IN_SET_UP.search(line) for line in launches(log)[-1]):
+            raise StoppedInSetUp(f"{run_dir}: stopped by Ctrl-C in set-up, before its first step") from None
         raise
     records = last_session(records, path)
     run = Run(name=name or run_dir.resolve().name, path=run_dir)
@@ -417,8 +425,10 @@ def test_loss(summary: dict) -> Optional[float]:
     return summary.get("test_loss")
 
 
-# What a launch that never trained logs (the trainer's, then the VJ2 script's set-up)
+# What a launch that never trained logs (the trainer's, then the VJ2 script's set-up); a Ctrl-C in set-up
+# (ddp_runtime.CTRL_C_BEFORE_TRAINING)
 SET_UP_FAILURE = re.compile(r"\] ERROR: (trainer set-up failed|set-up (failed|stopped))")
+CTRL_C_IN_SET_UP = re.compile(r"\] WARNING: stopped by Ctrl-C before any training step")
 
 
 def world_size(run: Run) -> Optional[int]:
@@ -435,7 +445,7 @@ def world_size(run: Run) -> Optional[int]:
     for lines in reversed(logged):
         launch = "\n".join(lines)
         found = re.search(r"\] INFO: rank 0/(\d+), local_rank", launch)
-        if found and not SET_UP_FAILURE.search(launch):
+        if found and not SET_UP_FAILURE.search(launch) and not CTRL_C_IN_SET_UP.search(launch):
             return int(found[1])
     return None
 
@@ -511,7 +521,7 @@ def format_summaries(rows: list, fmt: str = "one-line") -> str:
         lines = []
         for r in rows:
             f = {k: _fmt(k, r[k]) for k in SUMMARY_FIELDS}
-            if r["status"] in (NO_RECORDS, SET_UP_FAILED, FAILED_EARLY, UNREADABLE):
+            if r["status"] in (NO_RECORDS, SET_UP_FAILED, STOPPED_IN_SET_UP, FAILED_EARLY, UNREADABLE):
                 lines.append(f"{f['name']}: {r['status']}" + (f": {r['error']}" if r.get("error") else ""))
                 continue
             lines.append(f"{f['name']}: {f['status']}, {f['steps']} steps, val {f['final_val_loss']} "

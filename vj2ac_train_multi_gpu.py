@@ -35,6 +35,7 @@ if __name__ == "__main__":
 
 import argparse
 import json
+import logging
 import math
 import numbers
 import sys
@@ -50,7 +51,7 @@ from torch.utils.data import Dataset
 import config
 import ddp_runtime as rt
 from ddp_training import (MAX_TIMEOUT_S, BadInput, DataMismatch, DDPTrainer, RunDirInUse, TrainConfig,
-                          add_config_flags, evaluate_model, load_yaml_mapping, train_preemptible)
+                          add_config_flags, epochs_rule, evaluate_model, load_yaml_mapping, train_preemptible)
 from vj2_dataloader import VJ2TrajectoryDataset, data_fingerprint, list_files
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -368,6 +369,10 @@ def parse_args(argv=None):
     if args.test:
         parser.set_defaults(**TEST_DEFAULTS)
     args = parser.parse_args(argv)
+    given = given_flags(argv)
+    if "num_epochs" in given and "max_steps" not in given and args.max_steps:
+        epochs_rule(args.num_epochs, args.max_steps, "--test" if args.test else f"--config {args.config}")
+        args.max_steps = 0
     for flag in ("processed_data_dir", "validation_data_dir", "evaluate", "checkpoint_dir", "log_dir"):
         if getattr(args, flag) == "":  # "$DIR" with DIR unset must not mean "the default"
             parser.error(f"--{flag} must be a path, got an empty string")
@@ -516,7 +521,10 @@ def set_up(args, launch, cfg):
         return _set_up(args, launch, cfg, log)
     except RunDirInUse as exc:  # another run's dir: nothing of this run goes into it
         raise BadInput(str(exc)) from exc
-    except BaseException as exc:  # each rank's file shows why it stopped
+    except KeyboardInterrupt:  # not a failure: training_logs shows the run as stopped in set-up
+        rt.write_kept_logs(rt.CTRL_C_BEFORE_TRAINING, logging.WARNING)
+        raise
+    except BaseException as exc:  # each rank's file shows why it stopped; the console gets it from main()
         why = exc if isinstance(exc, BadInput) else f"{type(exc).__name__}: {exc}"
         rt.write_kept_logs(f"set-up {'failed' if isinstance(exc, Exception) else 'stopped'}: {why}")
         raise
@@ -527,16 +535,12 @@ def _set_up(args, launch, cfg, log):
     log.info("[DDP] Initializing with backend=%s, device=%s", backend, args.device)
     # Every rank validates the data before any process group exists, so a bad file or a horizon that does
     # not fit fails each rank on its own within seconds instead of leaving the others waiting in a collective.
-    try:
-        check_disjoint(args)
-        train_set = load_dataset("--processed_data_dir", args.processed_data_dir, args, log)
-        val_set = load_dataset("--validation_data_dir", args.validation_data_dir, args, log)
-        if val_set.geometry != train_set.geometry:
-            raise BadInput(f"--validation_data_dir: geometry {val_set.geometry} differs from the training "
-                           f"data's {train_set.geometry}")
-    except BadInput as exc:
-        log.error("%s", exc)
-        raise
+    check_disjoint(args)
+    train_set = load_dataset("--processed_data_dir", args.processed_data_dir, args, log)
+    val_set = load_dataset("--validation_data_dir", args.validation_data_dir, args, log)
+    if val_set.geometry != train_set.geometry:
+        raise BadInput(f"--validation_data_dir: geometry {val_set.geometry} differs from the training "
+                       f"data's {train_set.geometry}")
     log.info("train: %s", train_set.summary())
     log.info("val: %s", val_set.summary())
 
@@ -633,4 +637,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    rt.exit_process(main())
+    rt.run_script(main)

@@ -433,6 +433,12 @@ def test_explicit_resume_path_that_fails_is_an_error(tmp_path, no_launch_env):
         DDPTrainer(config=cfg_for(tmp_path, resume=str(state)))
     with pytest.raises(rt.CheckpointError, match="does not exist"):
         DDPTrainer(config=cfg_for(tmp_path, resume=str(tmp_path / "nope.pt")))
+    weights = tmp_path / "ckpt" / "model_interrupted.pt"  # a weights file: said so plainly (no KeyError quotes)
+    with pytest.raises(rt.CheckpointError) as refused:
+        DDPTrainer(config=cfg_for(tmp_path, resume=str(weights)))
+    assert str(refused.value) == (f"--resume {weights}: not a resumable state (a weights-only file?): it lacks "
+                                  f"['counters', 'optimizer', 'rng', 'run', 'scaler', 'scheduler']; the states are "
+                                  f"model_state_step_N.pt")
 
 
 def _break_optimizer(state):

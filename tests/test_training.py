@@ -804,6 +804,24 @@ def test_a_saved_config_with_another_run_name_makes_another_run(tmp_path, no_lau
     assert cfg.log_dir == "/scratch/exp1"
 
 
+def test_an_epochs_flag_is_the_runs_length_over_the_max_steps_of_test_or_a_file(tmp_path, capsys):
+    """max_steps wins over num_epochs in the trainer, so --test's 60 steps (or a file's max_steps) made an
+    explicit --num_epochs do nothing: `--test --num_epochs 1` ran 60 steps, about two epochs."""
+    parse = build_arg_parser().parse_args
+    cfg = config_from_args(parse(["--test", "--num_epochs", "1"]))
+    assert (cfg["num_epochs"], cfg["max_steps"]) == (1, 0)
+    assert "note: --num_epochs 1 replaces max_steps=60 of --test" in capsys.readouterr().err
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("max_steps: 500\n")
+    assert config_from_args(parse(["--config", str(cfg_file), "--epochs", "2"]))["max_steps"] == 0
+    assert f"replaces max_steps=500 of --config {cfg_file}" in capsys.readouterr().err
+    # both flags: as given (max_steps wins, as always); no epochs flag: the preset's or the file's steps
+    assert config_from_args(parse(["--test", "--num_epochs", "1", "--max_steps", "9"]))["max_steps"] == 9
+    assert config_from_args(parse(["--test"]))["max_steps"] == 60
+    assert config_from_args(parse(["--config", str(cfg_file)]))["max_steps"] == 500
+    assert "note" not in capsys.readouterr().err
+
+
 def test_cli_precedence_defaults_yaml_flags(tmp_path):
     cfg_file = tmp_path / "c.yaml"
     cfg_file.write_text("batch_size: 8\nlearning_rate: 0.002\nuse_amp: false\n")
@@ -1225,6 +1243,26 @@ def test_ctrl_c_while_torch_is_imported_is_one_line_and_death_by_sigint(tmp_path
         out, err = proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGINT, err
     assert err == "stopped by Ctrl-C while starting: nothing ran\n" and not list(tmp_path.iterdir()), err
+
+
+def test_ctrl_c_in_the_set_up_of_one_process_is_one_line_a_log_warning_and_a_stopped_run(tmp_path):
+    """A Ctrl-C in set-up (making and hashing a large dataset) was a KeyboardInterrupt traceback on the console
+    and 'trainer set-up failed' with it in rank_0.log, which training_logs read as a failure."""
+    import training_logs
+    cmd = [sys.executable, REPO / "ddp_training.py", "--cpu", "--max_steps", "5", "--log_dir", "logs",
+           "--checkpoint_dir", "ckpt", "--dataset_size", "400000"]
+    with background(cmd, tmp_path, stderr=subprocess.PIPE) as proc:
+        deadline = time.time() + 60
+        while not (tmp_path / "logs" / "rank_0.log").exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGINT, err
+    assert err.splitlines()[-1] == rt.CTRL_C_BEFORE_TRAINING and "Traceback" not in err, err
+    log = (tmp_path / "logs" / "rank_0.log").read_text()
+    assert f"WARNING: {rt.CTRL_C_BEFORE_TRAINING}" in log and "Traceback" not in log and "ERROR" not in log, log
+    row = training_logs.summarize(training_logs.load_runs([str(tmp_path / "logs")])[0])
+    assert row["status"] == "stopped in set-up" and not row.get("error"), row
 
 
 def test_a_ctrl_c_passed_on_before_a_rank_had_its_handler_stops_its_set_up_at_once(tmp_path):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import ddp_runtime as rt
 import training_logs as tl
 from conftest import LAUNCH_VARS, REPO, clean_env, metrics
 from ddp_training import DDPTrainer
@@ -716,6 +717,17 @@ def test_a_set_up_failure_is_the_newest_launchs(tmp_path):
     (d / "rank_0.log").write_text(failed.format("a.txt") + failed.format("b.txt"))
     with pytest.raises(tl.SetUpFailed, match=r"trainer set-up failed: ValueError: --data b.txt: the file is empty$"):
         tl.load_run(d)
+    # a launch that a Ctrl-C ended in set-up: stopped, not failed, and not still setting up; a relaunch after it is
+    stopped = ("2026-11-26 10:00:00 [RANK 0] INFO: rank 0/2, local_rank 0, device cpu, backend gloo\n"
+               f"2026-11-26 10:00:01 [RANK 0] WARNING: {rt.CTRL_C_BEFORE_TRAINING}\n")
+    (d / "rank_0.log").write_text(failed.format("a.txt") + stopped)
+    with pytest.raises(tl.StoppedInSetUp, match="stopped by Ctrl-C in set-up, before its first step$"):
+        tl.load_run(d)
+    assert tl.summarize(tl.load_runs([str(d)])[0])["status"] == "stopped in set-up"
+    (d / "rank_0.log").write_text(stopped + relaunch)
+    with pytest.raises(tl.NoRecords) as caught:
+        tl.load_run(d)
+    assert caught.value.status == "no records yet"
 
 
 def test_a_refused_plot_makes_no_directories(runs, tmp_path, capsys):

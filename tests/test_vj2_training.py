@@ -183,6 +183,10 @@ def test_cli_presets_test_mode_and_trainer_config(no_launch_env):
     assert (args.depth, args.predictor_dim, args.num_heads) == (3, 1024, 16)
     args = vj2.parse_args(data + ["--test", "--max_steps", "7", "--batch-size", "3", "--local_rank", "0"])
     assert (args.max_steps, args.val_every_iters, args.preset, args.depth, args.batch_size) == (7, 10, "tiny", 1, 3)
+    # an epochs flag is the run's length: --test's max_steps would end it first (or run it past them)
+    args = vj2.parse_args(data + ["--test", "--num_epochs", "2"])
+    assert (args.num_epochs, args.max_steps, args.run_config["max_steps"]) == (2, 0, 0)
+    assert vj2.parse_args(data + ["--test", "--num_epochs", "2", "--max_steps", "5"]).max_steps == 5
     cfg = vj2.train_config(args)
     TrainConfig.from_dict(cfg)  # every key is one the trainer knows
     assert cfg["checkpoint_prefix"] == "vjepa2" and cfg["val_interval"] == 10 and cfg["save_interval"] == 0
@@ -460,7 +464,39 @@ def test_validation_data_of_another_geometry_is_refused_before_training(tmp_path
     err = capsys.readouterr().err
     assert code == 2 and (f"error: --validation_data_dir: geometry T={T} P={P} D=16 A={A} C={C} differs from the "
                           f"training data's T={T} P={P} D={D} A={A} C={C}") in err, err
+    assert err.count("differs from the training data's") == 1, err  # not also as a log line on the console
+    assert "ERROR: set-up failed: --validation_data_dir: geometry" in (tmp_path / "ckpt" / "rank_0.log").read_text()
     assert not (tmp_path / "ckpt" / "vjepa2_final.pt").exists()
+
+
+def test_a_ctrl_c_while_the_data_is_checked_is_logged_as_a_stop_not_a_failure(tmp_path, no_launch_env, monkeypatch):
+    """It was 'ERROR: set-up stopped: KeyboardInterrupt', which training_logs showed as a failed set-up."""
+    import training_logs
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+    make_vj2_data(tmp_path, 1, 8, 8)
+    monkeypatch.setattr(vj2, "check_disjoint", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        vj2.main(["--processed_data_dir", str(tmp_path / "train"), "--validation_data_dir", str(tmp_path / "val"),
+                  "--device", "cpu", "--preset", "tiny", "--checkpoint_dir", str(tmp_path / "ckpt")])
+    log = (tmp_path / "ckpt" / "rank_0.log").read_text()
+    assert f"WARNING: {rt.CTRL_C_BEFORE_TRAINING}" in log and "ERROR" not in log, log
+    row = training_logs.summarize(training_logs.load_runs([str(tmp_path / "ckpt")])[0])
+    assert row["status"] == "stopped in set-up", row
+
+
+def test_a_checkpoint_dir_that_is_a_file_is_refused_naming_that_flag(tmp_path, no_launch_env, capsys):
+    """The logs go to the checkpoint dir unless --log_dir says otherwise: the error named log_dir, a flag the
+    user never gave."""
+    make_vj2_data(tmp_path, 1, 8, 8)
+    taken = tmp_path / "afile"
+    taken.write_text("mine")
+    code = vj2.main(["--processed_data_dir", str(tmp_path / "train"), "--validation_data_dir", str(tmp_path / "val"),
+                     "--device", "cpu", "--preset", "tiny", "--checkpoint_dir", str(taken), "--max_steps", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"error: checkpoint_dir {taken} (the log_dir too): cannot write rank_0.log there" in err, err
+    assert taken.read_text() == "mine"
 
 
 def test_a_rollout_horizon_longer_than_the_data_is_refused_naming_the_flag(tmp_path, no_launch_env, capsys):
