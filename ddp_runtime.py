@@ -462,6 +462,7 @@ def run_script(main: Callable[[], int]) -> None:
         print(CTRL_C_BEFORE_TRAINING, file=sys.stderr, flush=True)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
+        code = 128 + signal.SIGINT  # the exit status of that death, where the signal is blocked
     exit_process(code)
 
 
