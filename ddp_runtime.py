@@ -457,11 +457,13 @@ def run_script(main: Callable[[], int]) -> None:
     try:
         code = main()
     except KeyboardInterrupt:
-        logging.shutdown()
-        sys.stdout.flush()
-        print(CTRL_C_BEFORE_TRAINING, file=sys.stderr, flush=True)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
+        try:  # a closed stderr (`| tee`, ended by the same Ctrl-C) must not keep the process from its death
+            logging.shutdown()
+            sys.stdout.flush()
+            print(CTRL_C_BEFORE_TRAINING, file=sys.stderr, flush=True)
+        finally:
+            os.kill(os.getpid(), signal.SIGINT)
         code = 128 + signal.SIGINT  # the exit status of that death, where the signal is blocked
     exit_process(code)
 

@@ -23,11 +23,18 @@ EARLY_STOPS: list = []
 if __name__ == "__main__":
     for _sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(_sig, lambda signum, frame: EARLY_STOPS.append(signum))
-    # A Ctrl-C in the imports ends the process as Python's own does (death by SIGINT), but with one line in
-    # place of the import machinery's traceback; Python's handler is back before main()
-    signal.signal(signal.SIGINT, lambda signum, frame: (
-        os.write(2, b"stopped by Ctrl-C while starting: nothing ran\n"), signal.signal(signum, signal.SIG_DFL),
-        os.kill(os.getpid(), signum)))
+
+    def _ctrl_c_in_the_imports(signum, frame):
+        """Death by SIGINT, as Python's own exit on Ctrl-C, with one line in place of the import machinery's
+        traceback (a closed stderr, `| tee` ended by the same Ctrl-C, does not keep the process alive)."""
+        signal.signal(signum, signal.SIG_DFL)
+        try:
+            os.write(2, b"stopped by Ctrl-C while starting: nothing ran\n")
+        finally:
+            os.kill(os.getpid(), signum)
+    _SIGINT_AT_START = signal.getsignal(signal.SIGINT)  # put back before main(); an ignored Ctrl-C stays ignored
+    if _SIGINT_AT_START is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _ctrl_c_in_the_imports)
 
 import argparse
 import collections.abc
@@ -2838,19 +2845,15 @@ def rendezvous_store(port: int):
         return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                              timeout=datetime.timedelta(seconds=60))
     except RuntimeError as exc:  # DistNetworkError: the port is taken
-        raise ValueError(f"MASTER_PORT={port}: cannot listen there for the ranks' rendezvous "
-                         f"({str(exc).strip().splitlines()[-1]}); unset MASTER_PORT for a free port") from None
+        where = f"MASTER_PORT={port}: cannot listen there" if port else "cannot listen on a free port"
+        raise ValueError(f"{where} for the ranks' rendezvous ({str(exc).strip().splitlines()[-1]})"
+                         + ("; unset MASTER_PORT for a free port" if port else "")) from None
 
 
-def not_ending_a_rank(record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith("Terminating process")
-
-
-def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker, early: Optional[rt.FirstSignal] = None,
-                port: Optional[int] = None) -> int:
+def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker, early: Optional[rt.FirstSignal] = None) -> int:
     """Run `worker(rank, nproc, cfg, requested)` on `nproc` local processes (torch.multiprocessing, meeting on
-    the store that rendezvous_store hosts here on `port` or nproc_port()), for users without torchrun. Returns the
-    exit status: 0, EXIT_PREEMPTED, EXIT_BAD_INPUT (a MASTER_PORT that is taken, too), 128 + a signal that ended a
+    the store that rendezvous_store hosts here on nproc_port()), for users without torchrun. Returns the exit
+    status: 0, EXIT_PREEMPTED, EXIT_BAD_INPUT (a bad or taken MASTER_PORT, too), 128 + a signal that ended a
     rank's set-up (Ctrl-C: 130; a second SIGTERM: 143), as a single process exits, or 1.
 
     A signal passed on to a rank between its fork and its exec is taken by the handler it inherited from
@@ -2862,7 +2865,7 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker, early: Optional[r
     when a peer refused and exited before it. `early`: a stop this process caught before it got here."""
     import torch.multiprocessing as mp
     try:
-        store = rendezvous_store(port or nproc_port())
+        store = rendezvous_store(nproc_port())
     except ValueError as exc:
         return rt.refuse(str(exc))
     rendezvous = {var: os.environ.get(var) for var in RENDEZVOUS_VARS}  # put back at the end
@@ -2887,7 +2890,9 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker, early: Optional[r
     if stopped_early:  # the ranks read it once they have their handlers: a signal now would end their import
         forwarded.append(stopped_early)
         requested.value = stopped_early
-    # torch names each rank it ends once another has failed: noise above the one line that says why (below)
+    def not_ending_a_rank(record):  # torch names each rank it ends once another failed: noise above the line
+        # that says why (below); after a stop it tells of a rank cut short in its save, and is kept
+        return bool(forwarded) or not record.getMessage().startswith("Terminating process")
     spawn_log = logging.getLogger("torch.multiprocessing.spawn")
     spawn_log.addFilter(not_ending_a_rank)
     try:
@@ -2913,15 +2918,18 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker, early: Optional[r
         if refusal.exists():  # whatever its peers did then, the input ended the run
             print(json.loads(refusal.read_text())["message"]["message"], file=sys.stderr, flush=True)
             return EXIT_BAD_INPUT
+        # Ctrl-C in the ranks' set-up (130), or while they import torch: Python's KeyboardInterrupt there is
+        # exit 1, or death by SIGINT. Once they train, it is a stop like SIGTERM (75).
+        if forwarded[:1] == [signal.SIGINT] and exc.exit_code in (1, -signal.SIGINT, 128 + signal.SIGINT):
+            print(rt.CTRL_C_BEFORE_TRAINING, file=sys.stderr, flush=True)
+            return 128 + signal.SIGINT
         if exc.exit_code in (rt.EXIT_PREEMPTED, EXIT_BAD_INPUT) or exc.exit_code > 128:
             return exc.exit_code
-        # Ctrl-C while the ranks import torch: Python's KeyboardInterrupt there is exit 1, or death by SIGINT
-        ctrl_c = forwarded[:1] == [signal.SIGINT] and exc.exit_code in (1, -signal.SIGINT)
         if exc.exit_code < 0 and not forwarded:  # its peers can only report the connection it broke
             oom = " (the kernel's OOM killer sends SIGKILL: see dmesg)" if exc.exit_code == -signal.SIGKILL else ""
             print(f"error: rank {exc.error_index} (pid {exc.error_pid}) was killed by {exc.signal_name}{oom}",
                   file=sys.stderr, flush=True)
-        return 128 + signal.SIGINT if ctrl_c else 1
+        return 1
     finally:
         spawn_log.removeFilter(not_ending_a_rank)
         for sig, handler in previous.items():
@@ -2950,15 +2958,11 @@ def main(argv: Optional[list] = None) -> int:
     if args.nproc > 1:
         if launch["world_size"] > 1:
             return rt.refuse("--nproc spawns its own processes; do not combine it with torchrun/srun")
-        try:
-            port = nproc_port()
-        except ValueError as exc:
-            return rt.refuse(str(exc))
-        return spawn_local(args.nproc, cfg, early=rt.FirstSignal(EARLY_STOPS), port=port)
+        return spawn_local(args.nproc, cfg, early=rt.FirstSignal(EARLY_STOPS))
     return _train_and_exit_code(launch["rank"], launch["world_size"], cfg, launch["local_rank"],
                                 requested=rt.FirstSignal(EARLY_STOPS))
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, _SIGINT_AT_START)
     rt.run_script(main)

@@ -27,11 +27,16 @@ EARLY_STOPS: list = []
 if __name__ == "__main__":
     for _sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(_sig, lambda signum, frame: EARLY_STOPS.append(signum))
-    # A Ctrl-C in the imports ends the process as Python's own does (death by SIGINT), but with one line in
-    # place of the import machinery's traceback; Python's handler is back before main()
-    signal.signal(signal.SIGINT, lambda signum, frame: (
-        os.write(2, b"stopped by Ctrl-C while starting: nothing ran\n"), signal.signal(signum, signal.SIG_DFL),
-        os.kill(os.getpid(), signum)))
+
+    def _ctrl_c_in_the_imports(signum, frame):  # see ddp_training.py
+        signal.signal(signum, signal.SIG_DFL)
+        try:
+            os.write(2, b"stopped by Ctrl-C while starting: nothing ran\n")
+        finally:
+            os.kill(os.getpid(), signum)
+    _SIGINT_AT_START = signal.getsignal(signal.SIGINT)
+    if _SIGINT_AT_START is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _ctrl_c_in_the_imports)
 
 import argparse
 import json
@@ -636,5 +641,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, _SIGINT_AT_START)
     rt.run_script(main)

@@ -1218,6 +1218,7 @@ def test_ctrl_c_during_the_set_up_of_an_nproc_run_is_no_success(tmp_path, when):
         os.killpg(proc.pid, signal.SIGINT)
         out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGINT, out[-3000:]
+    assert rt.CTRL_C_BEFORE_TRAINING in out, out[-3000:]
     assert not (tmp_path / "logs" / "COMPLETED").exists() and not (tmp_path / "ckpt" / "model_final.pt").exists()
 
 
@@ -1263,6 +1264,45 @@ def test_ctrl_c_in_the_set_up_of_one_process_is_one_line_a_log_warning_and_a_sto
     assert f"WARNING: {rt.CTRL_C_BEFORE_TRAINING}" in log and "Traceback" not in log and "ERROR" not in log, log
     row = training_logs.summarize(training_logs.load_runs([str(tmp_path / "logs")])[0])
     assert row["status"] == "stopped in set-up" and not row.get("error"), row
+
+
+def wait_until(proc, ready, what: str) -> None:
+    deadline = time.time() + 60
+    while not ready() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    assert proc.poll() is None, f"the run ended before {what}"
+
+
+SLOW_SET_UP = ["--cpu", "--max_steps", "2", "--log_dir", "logs", "--checkpoint_dir", "ckpt", "--dataset_size", "400000"]
+
+
+@pytest.mark.parametrize("when", ["importing-torch", "in-set-up"])
+def test_ctrl_c_with_stderr_gone_still_ends_the_process(tmp_path, when):
+    """`python ddp_training.py 2>&1 | tee log`: the Ctrl-C ends tee too, and the line written before the death
+    by SIGINT raised BrokenPipeError, which turned the death into exit 1 (a shell loop went on)."""
+    with background([sys.executable, REPO / "ddp_training.py", *SLOW_SET_UP], tmp_path, stderr=subprocess.PIPE,
+                    stdout=subprocess.DEVNULL) as proc:
+        if when == "importing-torch":
+            wait_until(proc, lambda: torch_is_loading(proc.pid), "torch's import")
+        else:
+            wait_until(proc, (tmp_path / "logs" / "rank_0.log").exists, "its set-up")
+        proc.stderr.close()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGINT
+
+
+def test_a_ctrl_c_the_shell_ignores_stays_ignored(tmp_path):
+    """Bash starts a non-interactive script's background jobs with SIGINT ignored (a sweep's `cmd &`): a Ctrl-C
+    to the terminal is then not theirs, in the imports and in set-up, as Python leaves it."""
+    cmd = [sys.executable, REPO / "ddp_training.py", *SLOW_SET_UP]
+    with background(cmd, tmp_path, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) as proc:
+        wait_until(proc, lambda: torch_is_loading(proc.pid), "torch's import")
+        proc.send_signal(signal.SIGINT)
+        wait_until(proc, (tmp_path / "logs" / "rank_0.log").exists, "its set-up")
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and (tmp_path / "logs" / "COMPLETED").exists(), out[-3000:]
 
 
 def test_a_ctrl_c_passed_on_before_a_rank_had_its_handler_stops_its_set_up_at_once(tmp_path):
