@@ -717,12 +717,12 @@ def check_loadable(extra: dict, where: str) -> None:
     """Each value of `extra` loads back with torch.load(weights_only=True), as every checkpoint is read."""
     for key, value in extra.items():
         buffer = io.BytesIO()
-        torch.save(value, buffer)
-        buffer.seek(0)
         try:
+            torch.save(value, buffer)  # a function or a lock cannot even be saved (pickle's error)
+            buffer.seek(0)
             torch.load(buffer, weights_only=True)
         except Exception as exc:  # noqa: BLE001 -- which error says what weights_only refuses; named below
-            raise TypeError(f"{where}: the value of {key!r} ({type(value).__name__}) would not load back with "
+            raise TypeError(f"{where}: the value of {key!r} ({type(value).__name__}) would not save and load back with "
                             f"torch.load(weights_only=True), as checkpoints are read: {str(exc).splitlines()[0]}; "
                             f"give tensors, numbers, strings, or lists and dicts of them") from None
 
@@ -2593,7 +2593,10 @@ class DDPTrainer:
                    "best_val_loss": None if math.isinf(self.best_val) else self.best_val,
                    # the count says there was a test set: a loss that was not finite is written as null too
                    "test_loss": None if test is None else test["loss"],
-                   "test_count": None if test is None else test["count"], "wall_time_s": round(wall, 3),
+                   "test_count": None if test is None else test["count"],
+                   # loss_fn's extras on the test set, named as the val records name them on the validation set
+                   **{f"test_{k}": v for k, v in (test or {}).items() if k not in ("loss", "count")},
+                   "wall_time_s": round(wall, 3),
                    "samples_per_s": self.samples_seen / wall if wall > 0 else None,
                    "skipped_steps": self.skipped_steps, "world_size": self.env.world_size,
                    "steps_per_epoch": self.known_steps_per_epoch, "global_batch": self._global_batch(),

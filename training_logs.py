@@ -796,10 +796,12 @@ def main(argv=None) -> int:
         if not Path(args.output).suffix:  # what matplotlib would write: name.png
             args.output += ".png"
         check_format(args.output)
-        if args.metrics:
+        if args.metrics is not None:  # "" too: a list that came out empty is no request for the loss curves
             metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
             if not metrics:
-                raise LogError("--metrics needs at least one name")
+                raise LogError(f"--metrics needs at least one name, got {args.metrics!r}")
+            if args.compare:
+                raise LogError("--compare is for the loss curves; a --metrics grid always overlays the runs")
             plot_metrics(runs, metrics, args.output, args.x, args.smooth, args.log_y)
         else:
             plot_loss_curves(runs, args.output, args.x, args.smooth, args.compare, args.log_y)

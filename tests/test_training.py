@@ -695,6 +695,24 @@ def test_a_rank_with_an_empty_test_shard_adds_nothing_to_the_test_loss(tmp_path)
     assert losses[0] == losses[1] == pytest.approx(alone["loss"], rel=1e-6)
 
 
+def test_the_loss_fns_extras_on_the_test_set_reach_the_summary(tmp_path, no_launch_env):
+    """The val records carried val_<extra>; the test set's extras were computed and dropped."""
+    from ddp_training import lm_loss
+    data = _markov({**QUICK, "test_fraction": 0.1})
+
+    def with_accuracy(model, batch):
+        s, c = lm_loss(model, batch)
+        x, y = batch
+        return s, c, {"accuracy": (model(x).argmax(-1) == y).float().sum() / c}
+    trainer = DDPTrainer(config={**QUICK, **dirs(tmp_path), "max_steps": 3}, model=CausalLM(64, 32, 2, 2, 32),
+                         loss_fn=with_accuracy, train_dataset=data.train, val_dataset=data.val,
+                         test_dataset=data.test)
+    summary = trainer.train()
+    assert summary["test_accuracy"] == pytest.approx(trainer.evaluate(trainer.test_loader)["accuracy"], rel=1e-6)
+    assert 0 <= summary["test_accuracy"] <= 1 and metrics(tmp_path / "logs", "summary")[-1]["test_accuracy"] == \
+        pytest.approx(summary["test_accuracy"])
+
+
 def test_names_and_values_that_would_replace_or_lose_what_the_kit_saves_are_refused(tmp_path, no_launch_env):
     """Found by a user-journey review: checkpoint_extra={"model": ...} replaced the weights in every file, and
     an extra named "loss" the validation loss that early stopping and the best checkpoint read (both without
@@ -706,8 +724,11 @@ def test_names_and_values_that_would_replace_or_lose_what_the_kit_saves_are_refu
     custom = dict(model=CausalLM(64, 32, 2, 2, 32), train_dataset=data.train, val_dataset=data.val)
     with pytest.raises(ValueError, match=r"checkpoint_extra: the keys \['global_step', 'model'\] are the checkpoint's own"):
         DDPTrainer(config=cfg, checkpoint_extra={"model": "mlp-8-16-3", "global_step": "n/a", "arch": "mlp"}, **custom)
-    with pytest.raises(TypeError, match=r"checkpoint_extra: the value of 'classes' \(ndarray\) would not load back"):
+    with pytest.raises(TypeError, match=r"checkpoint_extra: the value of 'classes' \(ndarray\) would not save and load"):
         DDPTrainer(config=cfg, checkpoint_extra={"classes": np.arange(3)}, **custom)
+    # one that cannot even be saved was pickle's own error, naming neither checkpoint_extra nor the key
+    with pytest.raises(TypeError, match=r"checkpoint_extra: the value of 'make' \(function\) would not save and load"):
+        DDPTrainer(config=cfg, checkpoint_extra={"make": lambda: 1}, **custom)
     for bad, named in (({"image_size": np.int64(32)}, r"'image_size' is int64 32"),
                        ({"weights": {"class": torch.tensor([1.0, 2.0])}}, r"'weights'\['class'\] is Tensor")):
         with pytest.raises(TypeError, match="resume_must_match: " + named):

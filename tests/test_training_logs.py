@@ -249,6 +249,17 @@ def test_unknown_metric_names_the_available_ones(runs, tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--metrics", ""], "--metrics needs at least one name, got ''"),  # drew the loss curves without a word
+    (["--metrics", " , "], "--metrics needs at least one name, got ' , '"),
+    (["--metrics", "loss", "--compare"], "--compare is for the loss curves; a --metrics grid always overlays"),
+])
+def test_a_plot_request_that_would_be_ignored_is_refused(runs, tmp_path, capsys, flags, message):
+    out = tmp_path / "m.png"
+    assert tl.main(["plot", str(runs / "lr_3e-3"), *flags, "--output", str(out)]) == 2
+    assert message in capsys.readouterr().err and not out.exists()
+
+
 def test_reused_log_dir_and_resume_time(runs, tmp_path, capsys):
     """A fresh run appended to an old one keeps only the newest; time restarting at a resume is stitched."""
     d = copy_run(runs, tmp_path)
