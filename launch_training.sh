@@ -25,8 +25,8 @@ Usage: ./launch_training.sh [OPTIONS] [-- SCRIPT_ARGS...]
       --nnodes N            number of nodes (default 1: torchrun --standalone)
       --node-rank R         this node's rank (multi-node: required, 0 on the --master-addr host,
                             unless --max-restarts lets c10d number the nodes)
-      --master-addr HOST    rendezvous host (multi-node)
-      --master-port PORT    rendezvous port (multi-node, default 29500)
+      --master-addr HOST    rendezvous host (multi-node; with one node it is ignored, with a note)
+      --master-port PORT    rendezvous port, 1..65535 (multi-node, default 29500; ignored with one node)
       --max-restarts N      let torchrun restart the group N times after a failure (resumes); with
                             --nnodes > 1 the nodes then meet through c10d rendezvous on
                             --master-addr:--master-port (torchrun numbers the nodes itself), since
@@ -72,7 +72,7 @@ die() { say "error: $*"; exit 2; }
 
 gpus="" batch="" epochs="" log_dir="" ckpt_dir="" cpu=0 nproc="" test_mode=0 debug=0
 script="ddp_training.py" nnodes=1 node_rank="" master_addr="" master_port=29500 max_restarts=0
-script_args=()
+script_args=() rendezvous_given=()  # --master-addr/--master-port as given, for the single-node note
 
 need() {
     [[ ! "${2:-}" =~ ^-[0-9]+$ ]] || die "$1 expects a non-negative integer, got '$2'"
@@ -97,8 +97,8 @@ while [[ $# -gt 0 ]]; do
         --script)            need "$@"; script="$2"; shift 2 ;;
         --nnodes)            need "$@"; nnodes="$2"; shift 2 ;;
         --node-rank)         need "$@"; node_rank="$2"; shift 2 ;;
-        --master-addr)       need "$@"; master_addr="$2"; shift 2 ;;
-        --master-port)       need "$@"; master_port="$2"; shift 2 ;;
+        --master-addr)       need "$@"; master_addr="$2"; rendezvous_given+=("$1 $2"); shift 2 ;;
+        --master-port)       need "$@"; master_port="$2"; rendezvous_given+=("$1 $2"); shift 2 ;;
         --max-restarts)      need "$@"; max_restarts="$2"; shift 2 ;;
         -h|--help)           usage; exit 0 ;;
         --)                  shift; script_args=("$@"); break ;;
@@ -115,6 +115,8 @@ for pair in batch-size:batch epochs:epochs nproc:nproc nnodes:nnodes node-rank:n
     printf -v "$var" '%s' "$number"
 done
 [[ "$nproc" != 0 ]] || die "--nproc must be >= 1"  # before the cores are shared out by it
+# a TCP port: torchrun would only fail on it with a traceback, after the checks below passed
+(( master_port >= 1 && master_port <= 65535 )) || die "--master-port must be a TCP port in 1..65535, got $master_port"
 grace=$(to_uint "${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}") || die "TORCH_ELASTIC_SHUTDOWN_TIMEOUT expects" \
     "seconds as a non-negative integer, got '$TORCH_ELASTIC_SHUTDOWN_TIMEOUT'"
 
@@ -159,6 +161,9 @@ if (( nnodes > 1 && max_restarts == 0 )) && [[ -z "$node_rank" ]]; then
     die "--nnodes $nnodes needs --node-rank (0 on the --master-addr host, 1 to $((nnodes - 1)) on the others)"
 fi
 node_rank=${node_rank:-0}
+if (( nnodes == 1 && ${#rendezvous_given[@]} )); then  # torchrun --standalone picks its own endpoint
+    say "note: ${rendezvous_given[*]} ignored: --master-addr and --master-port only apply with --nnodes > 1"
+fi
 
 python=${PYTHON:-python3}
 
@@ -291,9 +296,12 @@ elif (( max_restarts > 0 )); then
 else
     launcher+=(--nnodes "$nnodes" --node_rank "$node_rank" --master_addr "$master_addr" --master_port "$master_port")
 fi
-# SLURM can announce the end of a job with SIGUSR1 (--signal=USR1@...): forward it like SIGTERM.
+# SLURM can announce the end of a job with SIGUSR1 (--signal=USR1@...): forward it like SIGTERM. The `--`
+# ends torchrun's options: without it, its parser (argparse) reads every --flag of the command line, the
+# script's too, and stops with its usage on one that abbreviates two of its own options (the script's
+# --nproc: --nproc-per-node or --nproc_per_node?).
 launcher+=(--nproc_per_node "$nproc" --max_restarts "$max_restarts"
-           --signals_to_handle "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+           --signals_to_handle "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" --)
 if (( max_restarts > 0 )); then
     # A restarted gloo group re-rendezvouses more reliably on its own TCP store.
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of the kit on one CUDA machine, in one go: the GPU tests, the default LM and the VJ2 AC
-# trainer through the launcher on the GPUs. Logs and run dirs go to OUTDIR (default gpu_check/). With
+# trainer through the launcher on the GPUs. Logs and run dirs go to OUTDIR (a relative one is taken from the
+# current directory; default gpu_check/ in the repo); a rerun into the same OUTDIR removes its lm_test/ and
+# vj2_test/ run dirs first, so the launcher runs train again instead of finding their runs finished. With
 # --bench, then the GPU benchmarks of BENCHMARKS.md (several minutes on an H100), each table in OUTDIR/bench_*.log;
 # --overhead runs only the two LM overhead tables of those; --workers_ab trains the vjepa2_ac predictor
 # AB_STEPS steps (default 150) with AB_WORKERS loader workers (default "0 1 2 4") over real-shape
@@ -8,7 +10,8 @@
 # --no_tests skips the tests and the launcher runs.
 #   bash scripts/gpu_check.sh [--no_tests] [--bench | --overhead] [--compile_overhead] [--workers_ab] [OUTDIR]
 set -uo pipefail
-cd "$(dirname "$0")/.."
+caller=$PWD  # a relative OUTDIR is the caller's, not the repo's: resolved against it after the cd below
+cd "$(dirname "$0")/.." || exit 1
 tests=1 bench=0 overhead=0 compile_overhead=0 workers_ab=0
 while [[ "${1:-}" == --* ]]; do
     case "$1" in
@@ -23,6 +26,7 @@ while [[ "${1:-}" == --* ]]; do
     shift
 done
 out="${1:-gpu_check}"
+[[ -z "${1:-}" || "$out" == /* ]] || out="$caller/$out"
 mkdir -p "$out"
 py="${PYTHON:-python3}"
 status=0
@@ -45,6 +49,8 @@ torch.version.cuda, "nccl", torch.cuda.nccl.version(), "gpus", torch.cuda.device
 if [[ $tests -eq 1 ]]; then
     # one test at a time (-n 0): the out-of-memory test sizes its request by the whole card
     step pytest_gpu "$py" -m pytest -m gpu -n 0 -v -p no:cacheprovider --durations=12
+    # A previous check's runs: the trainers would resume them, or find them finished and train nothing (exit 0)
+    rm -rf -- "$out/lm_test" "$out/vj2_test"
     step launch_lm ./launch_training.sh --test -l "$out/lm_test" -c "$out/lm_test/ckpt"
     step vj2_data "$py" create_synthetic_data.py --output_dir "$out/vj2_data/train" --num_files 4 \
         --val_output_dir "$out/vj2_data/val" --val_fraction 0.25

@@ -170,7 +170,8 @@ def torchrun_args(r) -> list:
 
 @pytest.mark.parametrize("names", [("-b", "-e", "-l", "-c"), ("--batch-size", "--epochs", "--log-dir", "--checkpoint-dir")])
 def test_each_option_reaches_torchrun_and_the_script_as_documented(tmp_path, fake_bin, names):
-    """Every value is the one right after its option, in any order; `--` ends the options and is not passed on."""
+    """Every value is the one right after its option, in any order; `--` ends the options, and torchrun gets one
+    before the script (see test_script_flags_are_never_read_by_torchrun)."""
     batch, epochs, log, ckpt = names
     r = launch(["--max-restarts", "1", batch, "64", epochs, "3", "--nproc", "3", log, "L", ckpt, "C", "--test",
                 "--debug", "--cpu", "--", "--run_name", "x"], tmp_path, fake_bin)
@@ -178,8 +179,25 @@ def test_each_option_reaches_torchrun_and_the_script_as_documented(tmp_path, fak
     assert torchrun_args(r) == [
         "--standalone", "--nproc_per_node", "3", "--max_restarts", "1",
         "--signals_to_handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",  # SIGUSR1: SLURM's --signal=USR1@...
-        str(REPO / "ddp_training.py"), "--device", "cpu", "--dist-backend", "gloo", "--batch_size", "64",
+        "--", str(REPO / "ddp_training.py"), "--device", "cpu", "--dist-backend", "gloo", "--batch_size", "64",
         "--num_epochs", "3", "--log_dir", "L", "--checkpoint_dir", "C", "--test", "--debug", "--run_name", "x"], r.stdout
+
+
+def test_script_flags_are_never_read_by_torchrun(tmp_path, fake_bin):
+    """torchrun's parser read the script's flags too, and stopped with its usage on one that abbreviates two of its
+    options: `-- --nproc 2` gave "ambiguous option: --nproc could match --nproc-per-node" (from a walkthrough)."""
+    r = launch(["--cpu", "--nproc", "1", "--", "--nproc", "2", "--test"], tmp_path, fake_bin)
+    args = torchrun_args(r)
+    assert r.returncode == 0 and args[args.index("--") + 1:] == [
+        str(REPO / "ddp_training.py"), "--device", "cpu", "--dist-backend", "gloo", "--nproc", "2", "--test"], args
+    # torch's own parser: every flag after the script is the script's, and torchrun's options are the launcher's
+    executable(fake_bin / "torchrun", f"#!{sys.executable}\nimport sys\nfrom torch.distributed.run import parse_args\n"
+                                      "a = parse_args(sys.argv[1:])\nprint('nproc_per_node', a.nproc_per_node, "
+                                      "'script', a.training_script, 'args', a.training_script_args)\n")
+    r = launch(["--cpu", "--nproc", "1", "--", "--nproc", "2", "--nnodes", "3", "--", "--test"], tmp_path, fake_bin)
+    assert r.returncode == 0 and "ambiguous option" not in r.stdout, r.stdout
+    assert (f"nproc_per_node 1 script {REPO / 'ddp_training.py'} args ['--device', 'cpu', '--dist-backend', 'gloo', "
+            "'--nproc', '2', '--nnodes', '3', '--', '--test']") in r.stdout, r.stdout
 
 
 def test_an_option_without_its_value_does_not_take_the_next_option(tmp_path, fake_bin):
@@ -204,6 +222,35 @@ def test_node_counts_and_ranks_that_cannot_meet_are_refused(tmp_path, fake_bin):
            "--node-rank 2 must be < --nnodes 2")
     failed(launch(["--cpu", "--nnodes", "2", "--node-rank", "1"], tmp_path, fake_bin),
            "--nnodes 2 needs --master-addr (the host of node rank 0)")
+
+
+def test_a_master_port_that_is_no_tcp_port_is_refused(tmp_path, fake_bin):
+    """torchrun took port 99999 and failed with a traceback after the launcher's checks had passed (a walkthrough)."""
+    nodes = ["--cpu", "--test", "--nnodes", "2", "--master-addr", "127.0.0.1", "--node-rank", "0"]
+    for port in ("99999", "65536", "0", "000"):
+        r = launch([*nodes, "--master-port", port], tmp_path, fake_bin)
+        failed(r, "--master-port must be a TCP port in 1..65535")
+        assert r.stdout.count("error") == 1, r.stdout
+    failed(launch([*nodes, "--master-port", "http"], tmp_path, fake_bin),
+           "--master-port expects a non-negative integer (decimal digits), got 'http'")
+    r = launch([*nodes, "--master-port", "065535"], tmp_path, fake_bin)
+    assert r.returncode == 0 and "[--master_port][65535]" in r.stdout, r.stdout
+    failed(launch(["--cpu", "--master-port", "99999"], tmp_path, fake_bin), "--master-port must be a TCP port")
+
+
+def test_one_node_notes_that_it_ignores_master_addr_and_port(tmp_path, fake_bin):
+    """torchrun --standalone picks its own rendezvous: a given --master-addr/--master-port was dropped silently."""
+    r = launch(["--cpu", "--master-addr", "10.0.0.1", "--master-port", "29600"], tmp_path, fake_bin)
+    args = torchrun_args(r)
+    assert r.returncode == 0 and "--standalone" in args and "--master_addr" not in args, r.stdout
+    notes = [line for line in r.stdout.splitlines() if "only apply with --nnodes > 1" in line]
+    assert notes == ["launch_training.sh: note: --master-addr 10.0.0.1 --master-port 29600 ignored: --master-addr "
+                     "and --master-port only apply with --nnodes > 1"], r.stdout
+    r = launch(["--cpu", "--master-port", "29600"], tmp_path, fake_bin)
+    assert r.returncode == 0 and "note: --master-port 29600 ignored" in r.stdout, r.stdout
+    for argv in (["--cpu"], ["--cpu", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1"]):
+        r = launch(argv, tmp_path, fake_bin)
+        assert r.returncode == 0 and "note:" not in r.stdout, r.stdout
 
 
 def test_every_node_of_a_run_gets_the_same_rendezvous_and_launch_ids(tmp_path, fake_bin):
