@@ -2818,6 +2818,19 @@ def _spawned_worker(rank: int, world_size: int, cfg: dict, requested=None) -> No
 
 
 SAVE_GRACE_S = 300  # as launch_training.sh gives torchrun's workers
+# What the other ranks get once rank 0, which writes every checkpoint, has exited or a rank has crashed: a
+# rank frozen then (SIGSTOP, a hung file system) kept the parent waiting the save grace twice, ten minutes
+PEER_GRACE_S = 30
+
+
+def _join_grace(procs: list, forwarded: list) -> Optional[float]:
+    """The grace torch's join gives the other ranks when one has exited with an error: after a stop passed
+    on, the save's while rank 0 is still saving; a short one once it has exited (nothing is left to save) or
+    a rank crashed; without a stop, torch's default (a crash ends the rest at once)."""
+    if not forwarded:
+        return None
+    crashed = any(p.exitcode not in (None, 0, rt.EXIT_PREEMPTED) for p in procs)
+    return SAVE_GRACE_S if procs[0].exitcode is None and not crashed else PEER_GRACE_S
 
 
 def _a_rank_died_of_the_stop(procs: list, forwarded: list) -> bool:
@@ -2866,6 +2879,8 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker, early: Optional[r
     A rank that refuses its input leaves the reason where torchrun would look for it (TORCHELASTIC_ERROR_FILE,
     here in a temporary dir), and this process prints it: rank 0 printing it could be ended by torch first,
     when a peer refused and exited before it. `early`: a stop this process caught before it got here."""
+    from multiprocessing.connection import wait
+
     import torch.multiprocessing as mp
     try:
         store = rendezvous_store(nproc_port())
@@ -2913,10 +2928,13 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker, early: Optional[r
             print(f"stopped by {signal.Signals(forwarded[0]).name} while the ranks were starting: nothing to save",
                   file=sys.stderr)
             return rt.EXIT_PREEMPTED
-        # after a forwarded signal, a rank that exits first (75 after its part of a save) leaves the others
-        # time to finish theirs; a crash ends the rest at once
-        while not context.join(grace_period=SAVE_GRACE_S if forwarded else None):
-            pass
+        # The grace is chosen after an exit is seen (wait), so that it knows which rank has gone
+        while True:
+            alive = [p.sentinel for p in context.processes if p.is_alive()]
+            if alive:
+                wait(alive, timeout=1.0)
+            if context.join(timeout=0, grace_period=_join_grace(context.processes, forwarded)):
+                break
     except mp.ProcessExitedException as exc:
         if refusal.exists():  # whatever its peers did then, the input ended the run
             print(json.loads(refusal.read_text())["message"]["message"], file=sys.stderr, flush=True)

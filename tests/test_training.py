@@ -1029,6 +1029,37 @@ def _rank_1_is_killed(rank, world_size, cfg, requested):
     time.sleep(60)  # torch ends rank 0 once rank 1 is gone
 
 
+def _rank_1_freezes(rank, world_size, cfg, requested):
+    if rank == 1:
+        Path(cfg["out"], "ready_1").touch()
+        os.kill(os.getpid(), signal.SIGSTOP)  # a rank frozen (a hung file system) when the stop comes
+    signal.signal(signal.SIGTERM, lambda *_: None)  # the trainer's handler: the stop is read from `requested`
+    Path(cfg["out"], "ready_0").touch()
+    while not requested.value:
+        time.sleep(0.01)
+    rt.exit_process(rt.EXIT_PREEMPTED)  # rank 0 has saved
+
+
+def test_a_stop_with_a_frozen_rank_ends_once_rank_0_has_saved(tmp_path, monkeypatch):
+    """The parent waited torch's grace twice (the save's 300 s, then again after SIGTERM, which a stopped
+    process does not act on) for a rank that had nothing to save: ten minutes. Once rank 0, which writes every
+    checkpoint, is done, the others get PEER_GRACE_S, then SIGTERM, then as long again before SIGKILL."""
+    import threading
+    import ddp_training
+    monkeypatch.setattr(ddp_training, "PEER_GRACE_S", 2)
+
+    def stop_when_ready():
+        deadline = time.time() + 60
+        while not all((tmp_path / f"ready_{r}").exists() for r in (0, 1)) and time.time() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)  # spawn_local's handler passes it on
+    threading.Thread(target=stop_when_ready, daemon=True).start()
+    t0 = time.monotonic()
+    assert ddp_training.spawn_local(2, {"out": str(tmp_path)}, worker=_rank_1_freezes) == rt.EXIT_PREEMPTED
+    assert time.monotonic() - t0 < 60
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
 def test_nproc_names_a_rank_that_was_killed(capfd, caplog):
     """A rank killed from outside left its peers only a broken connection to report ("Connection closed by
     peer"), and torch a warning for each rank it then ended; the parent knows which rank died, and of what."""
