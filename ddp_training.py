@@ -1082,6 +1082,11 @@ class DDPTrainer:
         if problem:  # rank 0 writes every checkpoint: all ranks stop on its answer
             raise ValueError(f"checkpoint_dir {cfg.checkpoint_dir}: cannot write checkpoints there ({problem}); "
                              f"a state elsewhere still resumes with resume=PATH")
+        # an existing rank_0.log opens for appending in a dir where no file can be created: metrics.jsonl,
+        # config.yaml and the markers would fail later, with a traceback
+        problem = rt.broadcast_object(rt.unwritable_dir(cfg.log_dir) if env.is_main else None)
+        if problem:
+            raise ValueError(f"log_dir {cfg.log_dir}: cannot create the run's files there ({problem})")
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank

@@ -695,6 +695,20 @@ def test_a_rank_with_an_empty_test_shard_adds_nothing_to_the_test_loss(tmp_path)
     assert losses[0] == losses[1] == pytest.approx(alone["loss"], rel=1e-6)
 
 
+def test_a_log_dir_where_no_file_can_be_created_is_refused_at_set_up(tmp_path, no_launch_env, monkeypatch):
+    """An existing rank_0.log opens for appending in a dir made immutable (`chattr +i`, which binds root too),
+    and the run failed later with a traceback (PermissionError on the PREEMPTED marker); only the checkpoint
+    dir was probed. Here the probe is told the log dir is such a dir."""
+    logs = tmp_path / "logs"
+    real = rt.unwritable_dir
+    monkeypatch.setattr(rt, "unwritable_dir", lambda d: "PermissionError: [Errno 1] Operation not permitted"
+                        if Path(d) == logs else real(d))
+    with pytest.raises(ValueError, match=f"log_dir {logs}: cannot create the run's files there "
+                                         r"\(PermissionError: \[Errno 1\] Operation not permitted\)"):
+        DDPTrainer(config={**QUICK, **dirs(tmp_path), "max_steps": 1})
+    assert not (tmp_path / "logs" / "metrics.jsonl").exists()
+
+
 def test_the_loss_fns_extras_on_the_test_set_reach_the_summary(tmp_path, no_launch_env):
     """The val records carried val_<extra>; the test set's extras were computed and dropped."""
     from ddp_training import lm_loss
