@@ -539,9 +539,10 @@ def run_on_rank0(fn, *args, what: str = "operation", **kwargs):
 # ----------------------------------------------------------------------------
 
 def setup_logger(log_dir: str | os.PathLike, rank: int, debug: bool = False, name: str = "ddp",
-                 keep: bool = False) -> logging.Logger:
+                 keep: bool = False, named: Optional[str] = None) -> logging.Logger:
     """`rank_N.log` for every rank; console from rank 0 only (every rank with debug). A log dir that cannot
-    be written is a ValueError (bad input) that names it. With `keep` (the run dir is not this run's yet: it
+    be written is a ValueError (bad input) that names it (`named`: as the setting the user gave for it, a
+    checkpoint dir that is the log dir too, say). With `keep` (the run dir is not this run's yet: it
     may be locked by another run) the file's records are kept instead: the next call for that file writes
     them first, and write_kept_logs() writes them where set-up ends before that."""
     logger = logging.getLogger(f"{name}.rank{rank}")
@@ -555,7 +556,7 @@ def setup_logger(log_dir: str | os.PathLike, rank: int, debug: bool = False, nam
             path.parent.mkdir(parents=True, exist_ok=True)
             fh = logging.FileHandler(path, mode="a")
         except OSError as exc:
-            raise ValueError(f"log_dir {log_dir}: cannot write rank_{rank}.log there ({type(exc).__name__}: "
+            raise ValueError(f"{named or f'log_dir {log_dir}'}: cannot write rank_{rank}.log there ({type(exc).__name__}: "
                              f"{exc}){symlink_note(log_dir)}") from exc
     close_logger(logger)  # a second trainer in one process must not double lines
     logger.setLevel(logging.DEBUG if debug else logging.INFO)

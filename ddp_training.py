@@ -1067,26 +1067,25 @@ class DDPTrainer:
                           f"out to take them from the launcher)")
             raise RunDirInUse(f"the run dirs (log_dir {cfg.log_dir}, checkpoint_dir {cfg.checkpoint_dir}) are in "
                               f"use by {holder}: {whose}")
-        try:
-            self.log = rt.setup_logger(cfg.log_dir, env.rank, cfg.debug)
-        except ValueError as exc:  # one dir for both (the VJ2 script's default): name the one the user gave
-            if Path(cfg.log_dir).absolute() != Path(cfg.checkpoint_dir).absolute():
-                raise
-            raise ValueError(str(exc).replace(f"log_dir {cfg.log_dir}:", f"checkpoint_dir {cfg.checkpoint_dir} "
-                                              f"(the log_dir too):", 1)) from exc
+        # one dir for both (the VJ2 script's default): an error names the setting the user gave
+        one_dir = Path(cfg.log_dir).absolute() == Path(cfg.checkpoint_dir).absolute()
+        self.log = rt.setup_logger(cfg.log_dir, env.rank, cfg.debug,
+                                   named=f"checkpoint_dir {cfg.checkpoint_dir} (the log_dir too)" if one_dir else None)
         self._tb_writer = self._tensorboard_writer() if cfg.tensorboard else None
         self.log.info("rank %d/%d, local_rank %d, device %s, backend %s, timeout %.0fs",
                       env.rank, env.world_size, env.local_rank, env.device, env.backend or "none (1 process)",
                       cfg.dist_timeout)
-        problem = rt.broadcast_object(rt.unwritable_dir(cfg.checkpoint_dir) if env.is_main else None)
-        if problem:  # rank 0 writes every checkpoint: all ranks stop on its answer
-            raise ValueError(f"checkpoint_dir {cfg.checkpoint_dir}: cannot write checkpoints there ({problem}); "
+        # Rank 0 writes every checkpoint and the run's files, so all ranks stop on its answer. The log dir too:
+        # an existing rank_0.log opens for appending in a dir where no file can be created, and metrics.jsonl,
+        # config.yaml and the markers would fail later, with a traceback.
+        ckpt_problem, log_problem = rt.broadcast_object(
+            (rt.unwritable_dir(cfg.checkpoint_dir), None if one_dir else rt.unwritable_dir(cfg.log_dir))
+            if env.is_main else None)
+        if ckpt_problem:
+            raise ValueError(f"checkpoint_dir {cfg.checkpoint_dir}: cannot write checkpoints there ({ckpt_problem}); "
                              f"a state elsewhere still resumes with resume=PATH")
-        # an existing rank_0.log opens for appending in a dir where no file can be created: metrics.jsonl,
-        # config.yaml and the markers would fail later, with a traceback
-        problem = rt.broadcast_object(rt.unwritable_dir(cfg.log_dir) if env.is_main else None)
-        if problem:
-            raise ValueError(f"log_dir {cfg.log_dir}: cannot create the run's files there ({problem})")
+        if log_problem:
+            raise ValueError(f"log_dir {cfg.log_dir}: cannot create the run's files there ({log_problem})")
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
@@ -2913,6 +2912,7 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker, early: Optional[r
     if stopped_early:  # the ranks read it once they have their handlers: a signal now would end their import
         forwarded.append(stopped_early)
         requested.value = stopped_early
+
     def not_ending_a_rank(record):  # torch names each rank it ends once another failed: noise above the line
         # that says why (below); after a stop it tells of a rank cut short in its save, and is kept
         return bool(forwarded) or not record.getMessage().startswith("Terminating process")
