@@ -1297,15 +1297,23 @@ def torch_is_loading(pid: int) -> bool:
         return False
 
 
+def wait_until(proc, ready, what: str) -> None:
+    deadline = time.time() + 60
+    while not ready() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    assert proc.poll() is None, f"the run ended before {what}"
+
+
+SLOW_SET_UP = ["--cpu", "--max_steps", "2", "--log_dir", "logs", "--checkpoint_dir", "ckpt", "--dataset_size", "400000"]
+
+
 @pytest.mark.parametrize("script", ["ddp_training.py", "vj2ac_train_multi_gpu.py"])
 def test_ctrl_c_while_torch_is_imported_is_one_line_and_death_by_sigint(tmp_path, script):
     """Ctrl-C in a script's first seconds (importing torch) printed the import machinery's traceback; it is
     one line now, and the process still dies of SIGINT as Python's own Ctrl-C exit does (a shell or launcher
     sees a Ctrl-C, not an error)."""
     with background([sys.executable, REPO / script, "--cpu", "--test"], tmp_path, stderr=subprocess.PIPE) as proc:
-        deadline = time.time() + 60
-        while not torch_is_loading(proc.pid) and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.005)
+        wait_until(proc, lambda: torch_is_loading(proc.pid), "torch's import")
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGINT, err
@@ -1316,12 +1324,8 @@ def test_ctrl_c_in_the_set_up_of_one_process_is_one_line_a_log_warning_and_a_sto
     """A Ctrl-C in set-up (making and hashing a large dataset) was a KeyboardInterrupt traceback on the console
     and 'trainer set-up failed' with it in rank_0.log, which training_logs read as a failure."""
     import training_logs
-    cmd = [sys.executable, REPO / "ddp_training.py", "--cpu", "--max_steps", "5", "--log_dir", "logs",
-           "--checkpoint_dir", "ckpt", "--dataset_size", "400000"]
-    with background(cmd, tmp_path, stderr=subprocess.PIPE) as proc:
-        deadline = time.time() + 60
-        while not (tmp_path / "logs" / "rank_0.log").exists() and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.01)
+    with background([sys.executable, REPO / "ddp_training.py", *SLOW_SET_UP], tmp_path, stderr=subprocess.PIPE) as proc:
+        wait_until(proc, (tmp_path / "logs" / "rank_0.log").exists, "its set-up")
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGINT, err
@@ -1330,16 +1334,6 @@ def test_ctrl_c_in_the_set_up_of_one_process_is_one_line_a_log_warning_and_a_sto
     assert f"WARNING: {rt.CTRL_C_BEFORE_TRAINING}" in log and "Traceback" not in log and "ERROR" not in log, log
     row = training_logs.summarize(training_logs.load_runs([str(tmp_path / "logs")])[0])
     assert row["status"] == "stopped in set-up" and not row.get("error"), row
-
-
-def wait_until(proc, ready, what: str) -> None:
-    deadline = time.time() + 60
-    while not ready() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.005)
-    assert proc.poll() is None, f"the run ended before {what}"
-
-
-SLOW_SET_UP = ["--cpu", "--max_steps", "2", "--log_dir", "logs", "--checkpoint_dir", "ckpt", "--dataset_size", "400000"]
 
 
 @pytest.mark.parametrize("when", ["importing-torch", "in-set-up"])
