@@ -49,6 +49,7 @@ import math
 import numbers
 import random
 import re
+import secrets
 import sys
 import tempfile
 import time
@@ -871,6 +872,17 @@ class StepTally:
                           torch.stack(extras) if extras else flags[:0]])
 
 
+def metrics_run_id(path: Path) -> Optional[str]:
+    """The run a metrics file belongs to, as its first record (a "start" record) names it; None for a file
+    without one (written before runs named themselves, empty, or unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            rec = json.loads(f.readline())
+    except (OSError, ValueError):  # ValueError: JSON and UTF-8 errors alike
+        return None
+    return rec.get("run_id") if isinstance(rec, dict) and rec.get("type") == "start" else None
+
+
 def json_line(record: dict) -> str:
     """Strict JSON: a non-finite number (a NaN loss, a skipped step's grad norm) is written as null, never NaN."""
     return json.dumps(json_safe(record), allow_nan=False)
@@ -1142,6 +1154,9 @@ class DDPTrainer:
 
         for name, value in self.FRESH_COUNTERS.items():
             setattr(self, name, value)
+        # names this run's metrics file among others in a shared log dir; carried by its states (not drawn from
+        # the seeded streams, which a resume must find untouched)
+        self.run_id = secrets.token_hex(8)
         self.local_errors: list = []
         self.spare_batch = None
         self.extra_names = None  # see _extra_names
@@ -1814,7 +1829,8 @@ class DDPTrainer:
                 "scaler": self.scaler.state_dict() if self.scaler else None,
                 "counters": {k: getattr(self, k) for k in self.STATE_COUNTERS},
                 "rng": per_rank_rng, "run": self._run_signature(), "seeded_samples": self._seeded_samples(),
-                "data_fingerprint": self.data_fingerprint, "must_match": self.resume_must_match}
+                "data_fingerprint": self.data_fingerprint, "must_match": self.resume_must_match,
+                "run_id": self.run_id}
 
     def _check_data_fingerprint(self, saved, path: Path) -> None:
         """The training data of a state must be this run's (the built-in data's, or what data_fingerprint= gave):
@@ -1984,6 +2000,7 @@ class DDPTrainer:
         counters.setdefault("stopped_early", False)
         for k, v in counters.items():
             setattr(self, k, v)
+        self.run_id = state.get("run_id", self.run_id)  # states before 27 Nov 2026 hold none: named from here on
         mine = state["rng"][self.env.rank]
         self.loader_rng = dict(mine["loader"])
         rt.set_rng_state(mine, self.env.device)
@@ -2012,7 +2029,7 @@ class DDPTrainer:
             return
         self._metrics_file.write(json_line(record) + "\n")
         self._metrics_file.flush()
-        if self._tb is not None and "step" in record:
+        if self._tb is not None and record["type"] in ("train", "val"):
             for key, value in record.items():
                 if (isinstance(value, (int, float)) and not isinstance(value, bool)
                         and key not in ("step", "type", "steps_per_epoch")):
@@ -2228,6 +2245,10 @@ class DDPTrainer:
             self.log.warning("removed %s, left by a write that was cut short", p)
         self._tb = self._tb_writer(log_dir=str(Path(self.cfg.log_dir) / "tensorboard")) if self._tb_writer else None
         self._metrics_file = open(self.metrics_path, "a")
+        # which run and session wrote the records that follow (a fresh run's file starts with it)
+        self.write_metrics({"type": "start", "run_id": self.run_id, "step": self.global_step,
+                            "resumed_from": None if self.resumed_from is None else str(self.resumed_from),
+                            "world_size": self.env.world_size, "started": round(time.time(), 3)})
 
     def _loop(self, stop_signal: rt.StopSignal) -> str:
         self.t0 = time.monotonic()
@@ -2539,17 +2560,15 @@ class DDPTrainer:
             return None
 
     def _start_metrics_file(self) -> None:
-        """A fresh run moves old curves aside (metrics.<time>.jsonl); a resumed run continues the same
-        curves, without the records past its resume step."""
+        """A fresh run moves old curves aside (metrics.<time>.jsonl); a resumed run continues its own curves
+        (taken back from aside when another run used the log dir meanwhile), without the records past its
+        resume step."""
+        if self.resumed_from is not None:
+            self._take_back_own_metrics()
         if not self.metrics_path.exists():
             return
         if self.resumed_from is None:  # a fresh run: keep the old curves, start a new file
-            stamp = int(time.time())
-            aside = self.metrics_path.with_name(f"metrics.{stamp}.jsonl")
-            n = 1
-            while aside.exists():  # two fresh runs in one second: never replace the earlier curves
-                aside, n = self.metrics_path.with_name(f"metrics.{stamp}.{n}.jsonl"), n + 1
-            os.replace(self.metrics_path, aside)
+            self._move_metrics_aside()
             return
         kept = []
         for line in self.metrics_path.read_text().splitlines():
@@ -2557,9 +2576,43 @@ class DDPTrainer:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line cut short by the crash that made us resume
-            if rec.get("type") != "summary" and rec.get("step", 0) <= self.global_step and not self._redone(rec):
+            if rec.get("type") != "summary" and self._before_resume(rec) and not self._redone(rec):
                 kept.append(line)
         rt.atomic_write_text(self.metrics_path, "".join(k + "\n" for k in kept))
+
+    def _before_resume(self, rec: dict) -> bool:
+        """A record this run keeps on resuming: one of its steps up to the state (a session that started at the
+        state's step is this one's)."""
+        step = rec.get("step", 0)
+        return step < self.global_step if rec.get("type") == "start" else step <= self.global_step
+
+    def _move_metrics_aside(self) -> Path:
+        stamp = int(time.time())
+        aside = self.metrics_path.with_name(f"metrics.{stamp}.jsonl")
+        n = 1
+        while aside.exists():  # two fresh runs in one second: never replace the earlier curves
+            aside, n = self.metrics_path.with_name(f"metrics.{stamp}.{n}.jsonl"), n + 1
+        os.replace(self.metrics_path, aside)
+        return aside
+
+    def _take_back_own_metrics(self) -> None:
+        """Another run that started fresh in this log dir (another checkpoint_dir or checkpoint_prefix) moved
+        this run's metrics.jsonl aside: continuing the file it left would stitch the two curves together."""
+        exists = self.metrics_path.exists()
+        if exists and metrics_run_id(self.metrics_path) in (None, self.run_id):  # None: written before run ids
+            return
+        own = [p for p in self.metrics_path.parent.glob("metrics.*.jsonl") if metrics_run_id(p) == self.run_id]
+        other = self._move_metrics_aside() if exists else None
+        back = max(own, key=lambda p: p.stat().st_mtime) if own else None
+        if back is not None:
+            os.replace(back, self.metrics_path)
+        if other is not None:
+            self.log.warning("%s held the records of another run (one that started fresh in this log dir): moved "
+                             "them to %s; %s", self.metrics_path, other,
+                             f"this run's records are back from {back}" if back else
+                             f"this run's records before step {self.global_step + 1} are not in this log dir")
+        elif back is not None:
+            self.log.info("this run's records are back in %s from %s", self.metrics_path, back)
 
     def _redone(self, rec: dict) -> bool:
         """A validation at the resume step that the state predates (an epoch's closing validation comes

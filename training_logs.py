@@ -2,7 +2,8 @@
 Summarise and plot training runs from their run directories.
 
 A run directory is whatever `log_dir` a trainer wrote to: `metrics.jsonl` (one JSON record per line,
-"type" train / val / summary), `config.yaml` and `rank_N.log`. Only metrics.jsonl is required.
+"type" train / val / summary, and a "start" record where each launch began), `config.yaml` and `rank_N.log`.
+Only metrics.jsonl is required.
 
     python training_logs.py summary runs/a runs/b --format table
     python training_logs.py summary --all runs --format json
@@ -133,6 +134,8 @@ def read_metrics(path) -> list:
             records.append(rec)
     if not records:
         raise NoRecords(f"{path} holds no complete record yet")
+    if all(r["type"] == "start" for r in records):
+        raise NoRecords(f"{path} holds no record of a step yet")
     return records
 
 
@@ -213,20 +216,26 @@ def add_elapsed(records: list) -> tuple:
     sessions and the time of all but the last, added up.
 
     "time" counts from the start of the session's training loop (a monotonic clock), so it falls back to ~0
-    when a resumed run starts. That is the only trace of a session in metrics.jsonl: the trainer drops the
-    interrupted session's summary record when it resumes. A summary's wall_time_s counts from the same
-    start, so a summary shorter than the records before it is a session of its own that logged nothing
-    else (a relaunch that had nothing left to train). A session shorter than the next one's first step
-    cannot be told apart from it and is counted as part of it.
+    when a resumed run starts. Each session begins with a "start" record (trainers since 27 Nov 2026). In
+    older files the fall of "time" is the only trace of a session: the trainer drops the interrupted
+    session's summary record when it resumes. A summary's wall_time_s counts from the same start, so a
+    summary shorter than the records before it is a session of its own that logged nothing else (a relaunch
+    that had nothing left to train). There, a session shorter than the next one's first step cannot be told
+    apart from it and is counted as part of it.
     """
-    sessions, offset, prev = 1, 0.0, 0.0
+    sessions, offset, prev, timed = 1, 0.0, 0.0, False
     for rec in records:
+        if rec["type"] == "start":
+            if timed:  # not the file's first session
+                offset, sessions, timed = prev, sessions + 1, False
+            continue
         t = rec.get("wall_time_s" if rec["type"] == "summary" else "time")
         if not isinstance(t, (int, float)):
             continue
         if t + offset < prev - 1e-3:  # the summary's wall_time_s is rounded to ms
             offset = prev
             sessions += 1
+        timed = True
         rec["_elapsed"] = t + offset
         prev = rec["_elapsed"]
     return sessions, offset

@@ -160,7 +160,7 @@ def wait_for_step(metrics: Path, step: int, timeout: float = 90) -> None:
     """Until metrics.jsonl holds the train record of `step` (the run is past its start-up)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if metrics.exists() and any(f'"step": {step},' in line for line in metrics.read_text().splitlines()):
+        if metrics.exists() and f'{{"type": "train", "step": {step},' in metrics.read_text():
             return
         time.sleep(0.05)
     pytest.fail(f"step {step} not reached in {metrics} within {timeout}s")

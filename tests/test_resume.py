@@ -279,6 +279,37 @@ def test_a_longer_max_steps_trains_on_from_where_the_finished_run_ended(tmp_path
     assert train_steps(tmp_path) == list(range(1, 13))
 
 
+def test_a_resumed_run_takes_its_curves_back_from_another_run_in_its_log_dir(tmp_path, no_launch_env):
+    """Run a stops at step 6; run b (its own checkpoints, the same log dir) starts fresh and moves a's
+    metrics.jsonl aside. When a resumes, its curves must not go on from b's records (a stitched curve)."""
+    a = cfg_for(tmp_path, max_steps=6, save_every_iters=0)
+    b = {**a, "checkpoint_dir": str(tmp_path / "ckpt_b"), "max_steps": 4}
+    logs = tmp_path / "logs"
+
+    def steps_by_run(path):
+        recs = [json.loads(line) for line in path.read_text().splitlines()]
+        starts = [r for r in recs if r["type"] == "start"]
+        return {r["run_id"] for r in starts}, [r["step"] for r in recs if r["type"] == "train"], starts
+
+    DDPTrainer(config=a).train()
+    (run_a,), _, _ = steps_by_run(logs / "metrics.jsonl")
+    DDPTrainer(config=b).train()
+    (run_b,), b_steps, _ = steps_by_run(logs / "metrics.jsonl")
+    assert run_b != run_a and b_steps == [1, 2, 3, 4]
+    DDPTrainer(config={**a, "max_steps": 10}).train()
+    ids, steps, starts = steps_by_run(logs / "metrics.jsonl")
+    assert ids == {run_a} and steps == list(range(1, 11))
+    assert [(s["step"], s["resumed_from"] is not None) for s in starts] == [(0, False), (6, True)]
+    (aside,) = logs.glob("metrics.*.jsonl")
+    assert steps_by_run(aside)[:2] == ({run_b}, [1, 2, 3, 4])
+    assert f"held the records of another run (one that started fresh in this log dir): moved them to {aside}; " \
+           f"this run's records are back from" in (logs / "rank_0.log").read_text()
+    # and b gets its own back in turn
+    DDPTrainer(config={**b, "max_steps": 5}).train()
+    assert steps_by_run(logs / "metrics.jsonl")[:2] == ({run_b}, [1, 2, 3, 4, 5])
+    assert sorted(steps_by_run(p)[:2] for p in logs.glob("metrics.*.jsonl")) == [({run_a}, list(range(1, 11)))]
+
+
 def test_the_last_validation_of_a_finished_run_survives_its_extension(tmp_path, no_launch_env):
     """The state at the last step is saved before the run's closing validation; the run saves it again after,
     or a longer run would drop that validation from its curve and its best loss."""

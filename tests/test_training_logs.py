@@ -433,6 +433,21 @@ def test_a_relaunch_that_only_wrote_its_summary_is_a_session_of_its_own(tmp_path
     assert row["avg_samples_per_s"] == pytest.approx(4 * 8 / 45.0)
 
 
+def test_start_records_tell_apart_sessions_that_time_cannot(tmp_path):
+    """A session of two 0.1 s steps, resumed: the next session's first step ends at 0.3 s, later than the
+    first session's last record, so "time" never falls back. The start record each session begins with
+    (trainers since 27 Nov 2026) counts it; so does a file that began before start records were written."""
+    def start(step):
+        return {"type": "start", "run_id": "ab12", "step": step, "resumed_from": None, "world_size": 1}
+    first, second = train_recs([1, 2], spe=10, dt=0.1), train_recs([3, 4], spe=10, t0=0.2, dt=0.1)
+    row = tl.summarize(tl.load_run(write_run(tmp_path / "a", [start(0), *first, start(2), *second])))
+    assert row["sessions"] == 2 and row["total_time_s"] == pytest.approx(0.2 + 0.4)
+    row = tl.summarize(tl.load_run(write_run(tmp_path / "b", [*first, start(2), *second])))
+    assert row["sessions"] == 2 and row["total_time_s"] == pytest.approx(0.2 + 0.4)
+    row = tl.summarize(tl.load_run(write_run(tmp_path / "c", [*first, *second])))  # what time alone tells
+    assert row["sessions"] == 1 and row["total_time_s"] == pytest.approx(0.4)
+
+
 def test_the_rate_of_a_running_run_is_its_samples_over_its_steps_time(tmp_path):
     # two steps of 0.08 s and two of 0.32 s, 8 samples each: 32 samples in 0.8 s (the mean of the rates: 62.5)
     recs = train_recs([1, 2, 3, 4], spe=10)
@@ -649,7 +664,7 @@ def test_a_run_that_failed_in_set_up_says_so_and_why(tmp_path, capsys, no_launch
 
 
 def test_a_run_that_failed_in_its_first_step_says_so_and_why(tmp_path, capsys, no_launch_env):
-    """The trainer opens metrics.jsonl before its first step: a run whose loss_fn fails there leaves it empty,
+    """The trainer opens metrics.jsonl before its first step: a run whose loss_fn fails there leaves only its start record,
     and its error in rank_0.log (it was shown as "no records yet", like a run just starting)."""
     def no_tensor(model, batch):
         return "not a loss"
@@ -658,7 +673,7 @@ def test_a_run_that_failed_in_its_first_step_says_so_and_why(tmp_path, capsys, n
            "max_steps": 5, "device": "cpu", "resume": "none", "log_dir": str(run), "checkpoint_dir": str(run / "c")}
     with pytest.raises(Exception):
         DDPTrainer(rank=0, world_size=1, config=cfg, loss_fn=no_tensor).train()
-    assert (run / "metrics.jsonl").read_text() == ""
+    assert [json.loads(line)["type"] for line in (run / "metrics.jsonl").read_text().splitlines()] == ["start"]
     capsys.readouterr()
     assert tl.main(["summary", "--all", str(tmp_path / "runs"), "--format", "json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)
@@ -669,7 +684,7 @@ def test_a_run_that_failed_in_its_first_step_says_so_and_why(tmp_path, capsys, n
            f"(loss_sum, count)" in err, err
     # a run whose first steps are only slow has no error: no records yet
     (run / "rank_0.log").write_text("")
-    with pytest.raises(tl.NoRecords, match="is empty") as exc:
+    with pytest.raises(tl.NoRecords, match="holds no record of a step yet") as exc:
         tl.load_run(run)
     assert exc.type is tl.NoRecords
 
