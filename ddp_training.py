@@ -2245,10 +2245,11 @@ class DDPTrainer:
             self.log.warning("removed %s, left by a write that was cut short", p)
         self._tb = self._tb_writer(log_dir=str(Path(self.cfg.log_dir) / "tensorboard")) if self._tb_writer else None
         self._metrics_file = open(self.metrics_path, "a")
-        # which run and session wrote the records that follow (a fresh run's file starts with it)
-        self.write_metrics({"type": "start", "run_id": self.run_id, "step": self.global_step,
-                            "resumed_from": None if self.resumed_from is None else str(self.resumed_from),
-                            "world_size": self.env.world_size, "started": round(time.time(), 3)})
+        # which run and session wrote the records that follow (a fresh run's file starts with it); with the
+        # launcher's id, its proof that this launch began training
+        self.write_metrics(rt.with_launch_id({"type": "start", "run_id": self.run_id, "step": self.global_step,
+                           "resumed_from": None if self.resumed_from is None else str(self.resumed_from),
+                           "world_size": self.env.world_size, "started": round(time.time(), 3)}))
 
     def _loop(self, stop_signal: rt.StopSignal) -> str:
         self.t0 = time.monotonic()

@@ -425,9 +425,10 @@ print(2 if refused else "")' "$TORCHELASTIC_ERROR_FILE")" == 2 ]]; then
     exit 2
 fi
 if (( status != 0 )) && [[ -n "$forwarded" ]]; then
-    if [[ -z "$(new_file metrics.jsonl)" ]]; then  # training never began: the ranks died of it while importing
-        say "stopped by SIG$forwarded before any rank began training (no metrics.jsonl" \
-            "newer than the launch in: $(marker_dirs | tr '\n' ' ')): nothing to save; exiting 75 (pass -l when a" \
+    # training never began (no start record of this launch): the ranks died of the signal while importing
+    if [[ -z "$(new_marker metrics.jsonl)" ]]; then
+        say "stopped by SIG$forwarded before any rank began training (no metrics.jsonl of this launch" \
+            "in: $(marker_dirs | tr '\n' ' ')): nothing to save; exiting 75 (pass -l when a" \
             "--config sets the log dir)"
         exit 75
     fi

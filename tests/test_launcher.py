@@ -490,9 +490,16 @@ def test_a_marker_without_a_stop_is_no_preemption_and_a_stop_before_training_is(
     # a stop while the ranks still import torch kills them (no handler yet): nothing trained, a preemption
     r = launch(["--cpu"], tmp_path, fake_bin, FAKE_TORCHRUN_THEN=f"trap 'exit 1' TERM; kill -TERM $PPID; {IDLE}")
     assert r.returncode == EXIT_PREEMPTED and "before any rank began training" in r.stdout, r.stdout
-    # ...but once training has begun (metrics.jsonl), a stop that leaves no marker is a failure
+    # another run's metrics.jsonl, written while this launch's ranks imported, is not this launch's training
     r = launch(["--cpu"], tmp_path, fake_bin, FAKE_TORCHRUN_THEN=(
-        f"mkdir -p runs/lm && touch runs/lm/metrics.jsonl; trap 'exit 1' TERM; kill -TERM $PPID; {IDLE}"))
+        "mkdir -p runs/other && echo '{\"type\": \"start\", \"launch_id\": \"x\"}' > runs/other/metrics.jsonl; "
+        f"trap 'exit 1' TERM; kill -TERM $PPID; {IDLE}"))
+    assert r.returncode == EXIT_PREEMPTED and "before any rank began training" in r.stdout, r.stdout
+    # ...but once training has begun (this launch's start record in metrics.jsonl), a stop that leaves no marker
+    # is a failure
+    start = MARKER.replace('"step": 7', '"type": "start", "step": 0')
+    r = launch(["--cpu"], tmp_path, fake_bin, FAKE_TORCHRUN_THEN=(
+        f"mkdir -p runs/lm && {start} >> runs/lm/metrics.jsonl; trap 'exit 1' TERM; kill -TERM $PPID; {IDLE}"))
     assert r.returncode == 1 and "but no PREEMPTED marker newer than the launch" in r.stdout, r.stdout
 
 
