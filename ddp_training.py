@@ -1865,7 +1865,7 @@ class DDPTrainer:
         self.state_step = self.global_step
         if self.env.is_main:
             self.log.info("%s resumable state %s (step %d, epoch %d, %d steps into the epoch)", self._saved(),
-                          path, self.global_step, self.epoch, self.step_in_epoch)
+                          path, self.global_step, self.epoch + 1, self.step_in_epoch)
         return path
 
     def _train_samples(self) -> int:
@@ -1930,7 +1930,7 @@ class DDPTrainer:
             tags = [t for t in tags if self.checkpoint_path(t).exists()]
         self.unvalidated_files = (self.global_step, rt.broadcast_object(tags if self.env.is_main else None))
         self.log.info("resumed from %s at step %d (epoch %d, %d steps into it)", chosen,
-                      self.global_step, self.epoch, self.step_in_epoch)
+                      self.global_step, self.epoch + 1, self.step_in_epoch)
         if self.global_step > self.total_steps:
             self.log.warning("the state is past this run's length (%d steps: max_steps or num_epochs): nothing "
                              "to train; the run ends at step %d", self.total_steps, self.global_step)
@@ -2301,7 +2301,7 @@ class DDPTrainer:
             if self.global_step >= self.total_steps and i < self.steps_per_epoch - 1:
                 return None, False
         if self.step_in_epoch == 0:
-            raise ValueError(f"the training data yielded no full step in epoch {self.epoch}")
+            raise ValueError(f"the training data yielded no full step in epoch {self.epoch + 1}")
         return None, True
 
     def _epoch_batches(self):
@@ -2356,14 +2356,18 @@ class DDPTrainer:
         bar = self._bar
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(epoch=self.epoch, loss=f"{r['loss']:.4f}", lr=f"{r['lr']:.2e}",
+            bar.set_postfix(epoch=self.epoch + 1, loss=f"{r['loss']:.4f}", lr=f"{r['lr']:.2e}",
                             samples_s=f"{global_batch / (time.time() - step_t):.0f}", refresh=False)
         window_t, window_steps = self._log_window
         window_steps += 1
         if self.global_step % self.cfg.log_interval == 0 or self.global_step == 1:
             rate = window_steps * global_batch / (time.time() - window_t)
-            self.log.info("epoch %d step %d/%d loss %.5f lr %.2e grad_norm %.3f %.0f samples/s",
-                          self.epoch, self.global_step, self.total_steps, r["loss"],
+            # epochs counted from 1 here, as the epoch files name them (metrics records count from 0); a
+            # stream's epochs end when it does: no count of them
+            known = self.known_steps_per_epoch
+            self.log.info("epoch %s step %d/%d loss %.5f lr %.2e grad_norm %.3f %.0f samples/s",
+                          f"{self.epoch + 1}/{-(-self.total_steps // known)}" if known else self.epoch + 1,
+                          self.global_step, self.total_steps, r["loss"],
                           r["lr"], r["grad_norm"], rate, extra={"periodic": True})
             window_t, window_steps = time.time(), 0
         self._log_window = (window_t, window_steps)

@@ -628,6 +628,20 @@ def test_the_log_says_what_precision_and_schedule_a_run_gets(tmp_path, no_launch
     assert "not below the run's" not in log
 
 
+def test_log_lines_count_epochs_from_one_as_the_epoch_files_do(tmp_path, no_launch_env):
+    """The records' epoch is the 0-based one the step ran in; the log's is 1-based, as model_epoch_N.pt is, with
+    the run's number of epochs (a walk-through read "epoch 0 step 1/384" beside model_epoch_1.pt)."""
+    cfg = {**QUICK, **dirs(tmp_path), "dataset_size": 128, "batch_size": 16, "max_steps": 12, "log_interval": 5,
+           "save_interval": 1}
+    DDPTrainer(config=cfg).train()
+    log = (tmp_path / "logs" / "rank_0.log").read_text()
+    assert re.findall(r"epoch (\S+) step (\d+)/12 ", log) == [("1/2", "1"), ("1/2", "5"), ("2/2", "10")]
+    assert (tmp_path / "ckpt" / "model_epoch_1.pt").exists() and not (tmp_path / "ckpt" / "model_epoch_2.pt").exists()
+    epochs = {r["step"]: r["epoch"] for r in metrics(tmp_path / "logs", "train")}
+    assert (epochs[8], epochs[9]) == (0, 1)
+    assert "(step 12, epoch 2, 4 steps into the epoch)" in log
+
+
 def test_the_readme_snippet_rebuilds_the_lm_from_its_final_weights(tmp_path, no_launch_env):
     text = (REPO / "README.md").read_text()
     snippet = next(block for block in re.findall(r"```python\n(.*?)```", text, re.S) if "CausalLM(**" in block)
