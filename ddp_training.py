@@ -1030,8 +1030,12 @@ class DDPTrainer:
         elif rank is None or world_size is None:
             raise ValueError(f"DDPTrainer: give rank and world_size together, or neither (taken from the "
                              f"launcher's environment); got rank={rank}, world_size={world_size}")
-        self.env = rt.setup_distributed(rank, world_size, local_rank, cfg.dist_backend, cfg.device,
-                                        max(cfg.dist_timeout, cfg.first_step_timeout))
+        try:
+            self.env = rt.setup_distributed(rank, world_size, local_rank, cfg.dist_backend, cfg.device,
+                                            max(cfg.dist_timeout, cfg.first_step_timeout))
+        except rt.SetUpTimeout as exc:
+            rt.log_set_up_failure(cfg.log_dir, rank, exc)
+            raise
         try:
             self._build(model, train_dataset, val_dataset, test_dataset, loss_fn, collate_fn,
                         checkpoint_extra, weights_key, count_unit, describe)
@@ -2811,6 +2815,8 @@ def _train_and_exit_code(rank: int, world_size: int, cfg: dict, local_rank: Opti
         return train_preemptible(build, bad_input(TrainConfig.from_dict, cfg).log_dir, requested)
     except BadInput as exc:
         return rt.refuse(str(exc), show=show_refusal and rank == 0)
+    except rt.SetUpTimeout as exc:
+        return rt.set_up_failed(str(exc))
 
 
 def _spawned_worker(rank: int, world_size: int, cfg: dict, requested=None) -> None:
