@@ -1139,6 +1139,9 @@ class DDPTrainer:
         self.mfu_per_unit = self._mfu_per_unit()
         self.stepped = False  # this process completed a step (DDP has seen a whole backward)
         self._metrics_file = None
+        # why rank 0 could not append to metrics.jsonl, once it could not: every rank stops on it (see
+        # _stop_for_the_metrics)
+        self.metrics_failed: Optional[str] = None
         self.state_step: Optional[int] = None  # the step of the newest resumable state this run saved
         # (step, tags) of the step and epoch weights files saved at `step` before its validation, if any
         self.unvalidated_files: tuple = (None, [])
@@ -1413,6 +1416,7 @@ class DDPTrainer:
         per = count or 1.0  # a count may be a sum of weights below 1; none (0) is a skipped step, below
         result = {"count": count, "loss": g["loss"] / per, "stop": g["stop"] > 0,
                   "lr": self.optimizer.param_groups[0]["lr"], "write_failed": g["write_failed"] > 0,
+                  "metrics_failed": g["metrics_failed"] > 0,
                   "extras": {n: v / per for n, v in zip(names, g["extras"])}}
         scaler_overflow = self.scaler is not None and g["bad_grads"] > 0  # with a GradScaler, its normal business
         nonfinite = (g["nonfinite"] > 0 or (g["bad_grads"] > 0 and self.scaler is None)) and not g["oom"]
@@ -1518,7 +1522,8 @@ class DDPTrainer:
             fatal = (f"loss_fn returned the extras {tally.names} at step {self.global_step + 1}, but {names} at "
                      f"the first step; every rank and step must return the same names")
         flags = {"stop": stop_signal.received is not None, "data_errors": data_errors, "fatal": fatal is not None,
-                 "unused": bool(unused), "oom": oom, "write_failed": self.writer.failed()}
+                 "unused": bool(unused), "oom": oom, "write_failed": self.writer.failed(),
+                 "metrics_failed": self.metrics_failed is not None}
         reduced = rt.all_reduce_tensor(tally.packed(list(flags.values()), names), on_device=True)
         # the agreement and the norm come back together: with NCCL the step's one host sync (a GradScaler adds its own)
         *reduced, raw_norm_value = torch.cat([reduced, raw_norm.reshape(1).to(reduced.device)]).tolist()
@@ -2012,10 +2017,20 @@ class DDPTrainer:
                              self.scheduler._last_lr[0], was[0])
 
     def write_metrics(self, record: dict) -> None:
-        if not self.env.is_main:
+        """Rank 0 appends `record` to metrics.jsonl. A write that fails (a full disk, a file size limit) is not
+        raised here, where rank 0 alone would leave the loop: it is noted, the step's all-reduce tells every rank,
+        and all stop together (_stop_for_the_metrics). No record is written after it: the file would have a hole."""
+        if not self.env.is_main or self.metrics_failed:
             return
-        self._metrics_file.write(json_line(record) + "\n")
-        self._metrics_file.flush()
+        data = (json_line(record) + "\n").encode()
+        try:
+            while data:  # unbuffered: a failed write leaves no bytes behind to be flushed at close
+                data = data[self._metrics_file.write(data):]
+        except OSError as exc:
+            self.metrics_failed = (f"rank 0 could not write {self.metrics_path} (the {record['type']} record of "
+                                   f"step {self.global_step}): {type(exc).__name__}: {exc}")
+            self.log.error("%s; the other ranks learn of it, and the run stops", self.metrics_failed)
+            return
         if self._tb is not None and "step" in record:
             for key, value in record.items():
                 if (isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -2231,7 +2246,7 @@ class DDPTrainer:
                   rt.remove_stale_temp_files(self.cfg.log_dir, log_files)):
             self.log.warning("removed %s, left by a write that was cut short", p)
         self._tb = self._tb_writer(log_dir=str(Path(self.cfg.log_dir) / "tensorboard")) if self._tb_writer else None
-        self._metrics_file = open(self.metrics_path, "a")
+        self._metrics_file = open(self.metrics_path, "ab", buffering=0)
 
     def _loop(self, stop_signal: rt.StopSignal) -> str:
         self.t0 = time.monotonic()
@@ -2360,6 +2375,8 @@ class DDPTrainer:
             self.save_state()
         if r["write_failed"] or self.writer.retry_pending:
             self._save_again_after_a_failed_write()
+        if r["metrics_failed"]:
+            self._stop_for_the_metrics()
         if early:
             return "early_stopped"
         if r["stop"]:
@@ -2430,6 +2447,26 @@ class DDPTrainer:
         """The weights before a failed step, on disk before the run raises."""
         self.save_checkpoint("interrupted")
         self.writer.flush()
+
+    def _stop_for_the_metrics(self) -> None:
+        """Rank 0 could not append to metrics.jsonl, and every rank knows it (the step's all-reduce, or at the end
+        of the run): all stop together, raising rank 0's error, which names the file. As at a stop signal, the
+        weights and a resumable state of this step are saved first (the checkpoint dir may have room), so that a
+        relaunch, once there is room, resumes here."""
+        text = rt.broadcast_object(self.metrics_failed)
+        try:
+            self.save_checkpoint("interrupted")
+            if self.state_step != self.global_step:
+                self.save_state()
+            self.writer.flush()
+            saved = (f"step {self.global_step}'s weights are in {self.checkpoint_path('interrupted')} and its "
+                     f"resumable state beside them: free space (or raise the file size limit) and relaunch to resume")
+        except Exception as exc:  # the metrics' error is the one to raise; this one is logged
+            self.log.error("could not save step %d's files: %s: %s", self.global_step, type(exc).__name__, exc)
+            saved = f"step {self.global_step}'s files could not be saved either: a relaunch resumes from the newest state"
+        text = f"{text}; the run stopped on every rank after step {self.global_step}; {saved}"
+        self.log.error(text)
+        raise StepFailed(text)
 
     def _interrupt(self, stop_signal: rt.StopSignal) -> str:
         self.log.warning("stop signal received (%s): saving and exiting at step %d",
@@ -2613,6 +2650,9 @@ class DDPTrainer:
         if self.env.device.type == "cuda":
             summary["cuda_peak_gb"] = memory["cuda_peak_gb"]
         self.write_metrics({"type": "summary", **summary})
+        # no step's all-reduce is left to carry a failed write (the last step's, the closing validation's, this one)
+        if status != "interrupted" and rt.broadcast_object(self.metrics_failed):
+            self._stop_for_the_metrics()
         if status != "interrupted":  # last: a relaunch of this run then has nothing to do
             rt.run_on_rank0(self._complete_run_dir, summary, what="writing the COMPLETED marker")
         self.log.info("finished (%s): %s", status, json_line(summary))
