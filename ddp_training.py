@@ -904,11 +904,12 @@ def next_micro_batches(batches, n: int, backstop_s: Optional[float] = None) -> l
     return micro
 
 
+# What gloo says when a peer's end of the connection went away: it exited or was killed
+PEER_LOST_TEXT = ("connection closed by peer", "connection reset by peer")
 # What gloo's failures say (its source path, or the peer's end); gloo raises them as plain RuntimeErrors, NCCL's
 # come as DistErrors. Matched only in a plain RuntimeError: a path or message of the run's own (an OSError
 # naming runs/gloo_test/metrics.jsonl) is no peer's failure.
-COLLECTIVE_ERROR_TEXT = ("third_party/gloo/", "connection closed by peer", "connection reset by peer",
-                         "pair closure")
+COLLECTIVE_ERROR_TEXT = ("third_party/gloo/", *PEER_LOST_TEXT, "pair closure")
 
 
 def is_collective_error(exc: BaseException) -> bool:
@@ -1691,19 +1692,23 @@ class DDPTrainer:
             self.log.error("could not save the last good weights: %s: %s", type(exc).__name__, exc)
         raise StepFailed(text)
 
-    def _explain_failure(self, exc: Exception) -> StepFailed:
+    def _explain_failure(self, exc: Exception, where: Optional[str] = None) -> StepFailed:
         """A collective failed (peer exited or timed out): name the rank and its error where
-        it left a FAILED marker, or the rank that did not answer a monitored barrier."""
-        step = self.global_step + 1
+        it left a FAILED marker, or the rank that did not answer a monitored barrier. `where`: when it
+        happened, the step under way by default."""
+        where = where or f"step {self.global_step + 1}"
         peers = rt.read_failure_markers(self.cfg.log_dir, exclude=self.env.rank, wait_s=5.0,
                                         world_size=self.env.world_size)
         if peers:
-            text = f"step {step}: " + "; ".join(f"rank {p['rank']} failed: {p['error']}" for p in peers)
+            text = f"{where}: " + "; ".join(f"rank {p['rank']} failed: {p['error']}" for p in peers)
         elif "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
-            text = (f"step {step}: a collective did not complete within dist_timeout={self.cfg.dist_timeout:g}s "
+            text = (f"{where}: a collective did not complete within dist_timeout={self.cfg.dist_timeout:g}s "
                     f"(a rank is stuck, dead or far slower); {rt.missing_ranks(5.0)}")
+        elif any(t in str(exc).lower() for t in PEER_LOST_TEXT):
+            text = (f"{where}: a peer was lost (it exited without a word or was killed: its exit status or "
+                    f"the kernel's log says why): {type(exc).__name__}: {exc}")
         else:
-            text = f"step {step}: {type(exc).__name__}: {exc}"
+            text = f"{where}: {type(exc).__name__}: {exc}"
         self.log.error(text)
         return StepFailed(text)
 
@@ -2070,6 +2075,12 @@ class DDPTrainer:
             self.log.error("validation at step %d: %s", self.global_step, exc)
             self._save_last_good()  # the weights of the steps so far are fine
             raise
+        except Exception as exc:
+            if not is_collective_error(exc):
+                raise
+            # a peer died or hung in it: no collective save is possible, rank 0 keeps step N's weights alone
+            self._save_weights_here()
+            raise self._explain_failure(exc, f"validation after step {self.global_step}") from exc
         self.log.debug("[DDP] Rank %d: Exiting validation at epoch %d, iter %d", self.env.rank, self.epoch,
                        self.global_step)
         self.last_val, self.last_val_step = res["loss"], self.global_step
@@ -2139,8 +2150,9 @@ class DDPTrainer:
             clean = True
         except BaseException as exc:
             if isinstance(exc, Exception) and not isinstance(exc, StepFailed) and is_collective_error(exc):
-                # a peer failed outside a training step (validation, a save, a metrics write): name it
-                explained = self._explain_failure(exc)
+                # a peer failed outside a training step (a save, the test set's evaluation): name it, at the step
+                # it came after, not the next one, which never began
+                explained = self._explain_failure(exc, f"after step {self.global_step}")
                 self.log.error("training failed after step %d: %s", self.global_step, explained)
                 raise explained from exc
             self.log.error("training failed after step %d: %s: %s", self.global_step, type(exc).__name__, exc)

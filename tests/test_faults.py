@@ -51,6 +51,8 @@ class OnRank:
         self.calls += model.training
         if self.hit and not model.training and self.what == "raise_in_validation" and self.calls >= self.step:
             raise ValueError("injected failure in validation")
+        if self.hit and not model.training and self.what == "killed_in_validation" and self.calls >= self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
         s, c = lm_loss(model, batch)
         if self.hit and model.training and self.calls == self.step:
             if self.what == "nan":
@@ -179,6 +181,20 @@ def test_a_validation_failure_on_one_rank_is_named_on_every_rank_and_keeps_the_w
     assert saved["global_step"] == 4  # the steps before the failed validation are kept
 
 
+
+def test_a_peer_killed_in_validation_is_named_as_lost_there_and_rank_0_keeps_the_weights(tmp_path):
+    """Rank 1 killed (SIGKILL) in the validation after step 4: rank 0 said `step 5: RuntimeError: ... Connection
+    closed by peer`, a step that never began, and saved nothing. It now names the validation and the lost peer,
+    and keeps step 4's weights on its own, as for a peer lost in a step (no collective save: the peer is gone)."""
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] did not report \(exit codes \{1: -9\}"):
+        spawn(_run, 2, str(tmp_path), 1, 4, "killed_in_validation", {"val_interval": 4}, timeout=60)
+    log = (tmp_path / "logs" / "rank_0.log").read_text()
+    assert "training failed after step 4: StepFailed: validation after step 4: a peer was lost (" in log, log
+    assert "step 5" not in log, log
+    saved = torch.load(tmp_path / "ckpt" / "model_interrupted.pt", weights_only=True)
+    assert saved["global_step"] == 4
+
+
 def test_an_extra_metric_on_one_rank_only_is_named_on_every_rank(tmp_path):
     # the step's all-reduce packs the extras by name: an unannounced one must not change its size on one rank
     r0, r1 = spawn(_run, 2, str(tmp_path), 1, 3, "new_extra", timeout=60)
@@ -279,7 +295,8 @@ def test_a_failure_outside_a_step_is_named_on_every_rank(tmp_path):
     caught, see test_a_failed_metrics_write_...); rank 1 meets it in the next collective, not in a step."""
     r0, r1 = spawn(_failing_metrics_write, 2, str(tmp_path), timeout=90)
     assert r0.startswith("OSError: [Errno 28] No space left on device")
-    assert "StepFailed: step 5: rank 0 failed: OSError: [Errno 28] No space left on device" in r1, r1
+    # the step it came after: step 5 never began
+    assert "StepFailed: after step 4: rank 0 failed: OSError: [Errno 28] No space left on device" in r1, r1
     assert not (tmp_path / "logs" / "FAILED_rank_1").exists()  # its failure was rank 0's
 
 
