@@ -271,8 +271,11 @@ def setup_distributed(rank: int, world_size: int, local_rank: Optional[int] = No
     except dist.DistError as exc:
         if not _timed_out(exc):
             raise
-        raise SetUpTimeout(rank, timeout, f"every rank checked in, but the process group did not form: "
-                                          f"{_gave_up(store, world_size) or 'a rank died or left in between'}") from exc
+        # a late rank finds the keys of those that gave up on it: they checked in, then left
+        late = _gave_up(store, world_size)
+        raise SetUpTimeout(rank, timeout, f"this rank arrived after {late}" if late else
+                           "every rank checked in, but the process group did not form: a rank died or left in "
+                           "between") from exc
     global _own_group
     _own_group = True
     _start_roll_call(timeout)
@@ -308,9 +311,10 @@ class SetUpTimeout(RuntimeError):
 
 
 def _store_key(what: str, rank: int) -> str:
-    """A key of the set-up check-in: per torchrun restart, as a restarted group may meet on the same store (its
-    earlier attempt's keys would make a missing rank look arrived)."""
-    return f"ddp_kit_{what}_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}_{rank}"
+    """A key of the set-up check-in. Not per torchrun restart: each node's agent counts its own restarts. A store
+    shared across restarts keeps an earlier attempt's keys (as it keeps torch's own): they may only change the
+    words of a failure, never fail a set-up (see _meet)."""
+    return f"ddp_kit_{what}_{rank}"
 
 
 def _timed_out(exc: BaseException) -> bool:
@@ -339,9 +343,6 @@ def _meet(rank: int, world_size: int, timeout: datetime.timedelta):
         raise SetUpTimeout(rank, timeout, f"rank(s) {', '.join(map(str, missing))} of {world_size} did not "
                                           f"arrive (not started, or still busy before their process group: "
                                           f"importing, reading data)") from exc
-    late = _gave_up(store, world_size)
-    if late:
-        raise SetUpTimeout(rank, timeout, f"this rank arrived after {late}")
     return store
 
 
