@@ -47,6 +47,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 EXIT_PREEMPTED = 75
 # Exit code of bad input (a flag, a file, a refused state): as argparse exits
 EXIT_BAD_INPUT = 2
+# Exit code of any other failure, as Python's for an uncaught exception
+EXIT_FAILURE = 1
 
 DEFAULT_DIST_TIMEOUT_S = 300.0
 
@@ -262,8 +264,18 @@ def setup_distributed(rank: int, world_size: int, local_rank: Optional[int] = No
         if var not in os.environ:
             raise RuntimeError(f"world_size={world_size} needs {var} in the environment "
                                f"(torchrun, SLURM or --nproc set it for you)")
-    dist.init_process_group(backend=chosen, store=_group_store(rank, world_size, timeout), rank=rank,
-                            world_size=world_size, timeout=timeout, device_id=dev if chosen == "nccl" else None)
+    store = _meet(rank, world_size, timeout)
+    try:
+        dist.init_process_group(backend=chosen, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                                device_id=dev if chosen == "nccl" else None)
+    except dist.DistError as exc:
+        if not _timed_out(exc):
+            raise
+        # a late rank finds the keys of those that gave up on it: they checked in, then left
+        late = _gave_up(store, world_size)
+        raise SetUpTimeout(rank, timeout, f"this rank arrived after {late}" if late else
+                           "every rank checked in, but the process group did not form: a rank died or left in "
+                           "between") from exc
     global _own_group
     _own_group = True
     _start_roll_call(timeout)
@@ -285,6 +297,73 @@ def _group_store(rank: int, world_size: int, timeout: datetime.timedelta):
     store.set_timeout(timeout)
     _groups_made += 1
     return dist.PrefixStore(f"ddp_kit_group_{_groups_made}", store)
+
+
+class SetUpTimeout(RuntimeError):
+    """The ranks did not all meet within the set-up timeout: a failure (exit 1), not bad input, told in one
+    `error:` line that names who did not arrive and what to change, instead of torch's DistStoreError traceback."""
+
+    def __init__(self, rank: int, timeout: datetime.timedelta, what: str):
+        seconds = timeout.total_seconds()
+        super().__init__(f"rank {rank}: set-up timed out after {seconds:g}s: {what}; start every rank within "
+                         f"{seconds:g}s of the first (each launched, each reaching MASTER_ADDR:MASTER_PORT), or give "
+                         f"set-up longer with --dist_timeout (or --first_step_timeout, where it is larger)")
+
+
+def _store_key(what: str, rank: int) -> str:
+    """A key of the set-up check-in. Not per torchrun restart: each node's agent counts its own restarts. A store
+    shared across restarts keeps an earlier attempt's keys (as it keeps torch's own): they may only change the
+    words of a failure, never fail a set-up (see _meet)."""
+    return f"ddp_kit_{what}_{rank}"
+
+
+def _timed_out(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
+
+
+def _meet(rank: int, world_size: int, timeout: datetime.timedelta):
+    """The group's store once every rank has reached it. torch's own waits (the rendezvous, gloo's exchange of
+    addresses) end in a DistStoreError that names a store key; this check-in names the ranks instead."""
+    try:
+        store = _group_store(rank, world_size, timeout)
+    except dist.DistError as exc:
+        if not _timed_out(exc):
+            raise
+        raise SetUpTimeout(rank, timeout, _unmet_rendezvous(rank, world_size, exc)) from exc
+    keys = [_store_key("arrived", r) for r in range(world_size)]
+    store.set(keys[rank], "1")
+    try:
+        store.wait(keys, timeout)
+    except dist.DistError as exc:
+        if not _timed_out(exc):
+            raise
+        store.set(_store_key("gave_up", rank), "1")  # a peer arriving later learns that it was the slow one
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        raise SetUpTimeout(rank, timeout, f"rank(s) {', '.join(map(str, missing))} of {world_size} did not "
+                                          f"arrive (not started, or still busy before their process group: "
+                                          f"importing, reading data)") from exc
+    return store
+
+
+def _gave_up(store, world_size: int) -> str:
+    """'rank(s) N gave up waiting for the others', or '' when none did."""
+    left = [r for r in range(world_size) if store.check([_store_key("gave_up", r)])]
+    return f"rank(s) {', '.join(map(str, left))} gave up waiting for the others" if left else ""
+
+
+def _unmet_rendezvous(rank: int, world_size: int, exc: BaseException) -> str:
+    """What a failed env:// rendezvous says, in ranks: rank 0 hosts its store and counts who connected; the
+    others connect to it."""
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    joined = re.search(r"(\d+)/(\d+) clients joined", str(exc))
+    if joined:
+        return (f"only {joined.group(1)} of {world_size} ranks (this one included) connected to the rendezvous "
+                f"this rank hosts at {where}")
+    if rank != 0:
+        return (f"could not connect to rank 0's rendezvous at {where} (rank 0 not started yet, already gone, "
+                f"or that address unreachable from here)")
+    return f"the rendezvous at {where} failed: {str(exc).strip().splitlines()[0]}"
 
 
 def _start_roll_call(timeout: datetime.timedelta) -> None:
@@ -407,6 +486,13 @@ def refuse(message: str, show: bool = True) -> int:
     if not note_for_torchrun(f"error: {message}") or show:  # a reason its file lost is printed here
         print(f"error: {message}", file=sys.stderr, flush=True)
     return EXIT_BAD_INPUT
+
+
+def set_up_failed(message: str) -> int:
+    """A failure at set-up that is no bad input (ranks that did not meet): one `error:` line on stderr from each
+    rank that saw it, as each names what it saw (the detail is in its rank_N.log), and exit 1 as any failure."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    return EXIT_FAILURE
 
 
 def note_for_torchrun(message: str) -> bool:
@@ -580,6 +666,20 @@ def log_to_file(logger: logging.Logger, level: int, message: str, exc_info=None)
     for h in logger.handlers:
         if isinstance(h, (logging.FileHandler, _KeptRecords)):
             h.handle(record)
+
+
+def log_set_up_failure(log_dir, rank: int, exc: BaseException) -> None:
+    """`exc` with its traceback (torch's error under it) into rank_N.log, for a set-up that failed before the
+    trainer had its logger; not into a dir another run holds (see write_kept_logs). A script that keeps its
+    own set-up lines (the VJ2 one) ends them with its `set-up failed:` line: the traceback goes before it."""
+    logger = logging.getLogger(f"ddp.rank{rank}")
+    script_keeps = any(isinstance(h, _KeptRecords) for h in logger.handlers)
+    if not script_keeps:
+        setup_logger(log_dir, rank, keep=True)
+    log_to_file(logger, logging.ERROR, "set-up timed out" if script_keeps else f"set-up failed: {exc}",
+                (type(exc), exc, exc.__traceback__))
+    if not script_keeps:
+        write_kept_logs()
 
 
 class _KeptRecords(logging.Handler):

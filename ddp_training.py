@@ -916,11 +916,12 @@ def next_micro_batches(batches, n: int, backstop_s: Optional[float] = None) -> l
     return micro
 
 
+# What gloo says when a peer's end of the connection went away: it exited or was killed
+PEER_LOST_TEXT = ("connection closed by peer", "connection reset by peer")
 # What gloo's failures say (its source path, or the peer's end); gloo raises them as plain RuntimeErrors, NCCL's
 # come as DistErrors. Matched only in a plain RuntimeError: a path or message of the run's own (an OSError
 # naming runs/gloo_test/metrics.jsonl) is no peer's failure.
-COLLECTIVE_ERROR_TEXT = ("third_party/gloo/", "connection closed by peer", "connection reset by peer",
-                         "pair closure")
+COLLECTIVE_ERROR_TEXT = ("third_party/gloo/", *PEER_LOST_TEXT, "pair closure")
 
 
 def is_collective_error(exc: BaseException) -> bool:
@@ -1042,8 +1043,12 @@ class DDPTrainer:
         elif rank is None or world_size is None:
             raise ValueError(f"DDPTrainer: give rank and world_size together, or neither (taken from the "
                              f"launcher's environment); got rank={rank}, world_size={world_size}")
-        self.env = rt.setup_distributed(rank, world_size, local_rank, cfg.dist_backend, cfg.device,
-                                        max(cfg.dist_timeout, cfg.first_step_timeout))
+        try:
+            self.env = rt.setup_distributed(rank, world_size, local_rank, cfg.dist_backend, cfg.device,
+                                            max(cfg.dist_timeout, cfg.first_step_timeout))
+        except rt.SetUpTimeout as exc:
+            rt.log_set_up_failure(cfg.log_dir, rank, exc)
+            raise
         try:
             self._build(model, train_dataset, val_dataset, test_dataset, loss_fn, collate_fn,
                         checkpoint_extra, weights_key, count_unit, describe)
@@ -1147,6 +1152,9 @@ class DDPTrainer:
         self.mfu_per_unit = self._mfu_per_unit()
         self.stepped = False  # this process completed a step (DDP has seen a whole backward)
         self._metrics_file = None
+        # why rank 0 could not append to metrics.jsonl, once it could not: every rank stops on it (see
+        # _stop_for_the_metrics)
+        self.metrics_failed: Optional[str] = None
         self.state_step: Optional[int] = None  # the step of the newest resumable state this run saved
         # (step, tags) of the step and epoch weights files saved at `step` before its validation, if any
         self.unvalidated_files: tuple = (None, [])
@@ -1424,6 +1432,7 @@ class DDPTrainer:
         per = count or 1.0  # a count may be a sum of weights below 1; none (0) is a skipped step, below
         result = {"count": count, "loss": g["loss"] / per, "stop": g["stop"] > 0,
                   "lr": self.optimizer.param_groups[0]["lr"], "write_failed": g["write_failed"] > 0,
+                  "metrics_failed": g["metrics_failed"] > 0,
                   "extras": {n: v / per for n, v in zip(names, g["extras"])}}
         scaler_overflow = self.scaler is not None and g["bad_grads"] > 0  # with a GradScaler, its normal business
         nonfinite = (g["nonfinite"] > 0 or (g["bad_grads"] > 0 and self.scaler is None)) and not g["oom"]
@@ -1529,7 +1538,8 @@ class DDPTrainer:
             fatal = (f"loss_fn returned the extras {tally.names} at step {self.global_step + 1}, but {names} at "
                      f"the first step; every rank and step must return the same names")
         flags = {"stop": stop_signal.received is not None, "data_errors": data_errors, "fatal": fatal is not None,
-                 "unused": bool(unused), "oom": oom, "write_failed": self.writer.failed()}
+                 "unused": bool(unused), "oom": oom, "write_failed": self.writer.failed(),
+                 "metrics_failed": self.metrics_failed is not None}
         reduced = rt.all_reduce_tensor(tally.packed(list(flags.values()), names), on_device=True)
         # the agreement and the norm come back together: with NCCL the step's one host sync (a GradScaler adds its own)
         *reduced, raw_norm_value = torch.cat([reduced, raw_norm.reshape(1).to(reduced.device)]).tolist()
@@ -1697,19 +1707,23 @@ class DDPTrainer:
             self.log.error("could not save the last good weights: %s: %s", type(exc).__name__, exc)
         raise StepFailed(text)
 
-    def _explain_failure(self, exc: Exception) -> StepFailed:
+    def _explain_failure(self, exc: Exception, where: Optional[str] = None) -> StepFailed:
         """A collective failed (peer exited or timed out): name the rank and its error where
-        it left a FAILED marker, or the rank that did not answer a monitored barrier."""
-        step = self.global_step + 1
+        it left a FAILED marker, or the rank that did not answer a monitored barrier. `where`: when it
+        happened, the step under way by default."""
+        where = where or f"step {self.global_step + 1}"
         peers = rt.read_failure_markers(self.cfg.log_dir, exclude=self.env.rank, wait_s=5.0,
                                         world_size=self.env.world_size)
         if peers:
-            text = f"step {step}: " + "; ".join(f"rank {p['rank']} failed: {p['error']}" for p in peers)
+            text = f"{where}: " + "; ".join(f"rank {p['rank']} failed: {p['error']}" for p in peers)
         elif "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
-            text = (f"step {step}: a collective did not complete within dist_timeout={self.cfg.dist_timeout:g}s "
+            text = (f"{where}: a collective did not complete within dist_timeout={self.cfg.dist_timeout:g}s "
                     f"(a rank is stuck, dead or far slower); {rt.missing_ranks(5.0)}")
+        elif any(t in str(exc).lower() for t in PEER_LOST_TEXT):
+            text = (f"{where}: a peer was lost (it exited without a word or was killed: its exit status or "
+                    f"the kernel's log says why): {type(exc).__name__}: {exc}")
         else:
-            text = f"step {step}: {type(exc).__name__}: {exc}"
+            text = f"{where}: {type(exc).__name__}: {exc}"
         self.log.error(text)
         return StepFailed(text)
 
@@ -2025,10 +2039,20 @@ class DDPTrainer:
                              self.scheduler._last_lr[0], was[0])
 
     def write_metrics(self, record: dict) -> None:
-        if not self.env.is_main:
+        """Rank 0 appends `record` to metrics.jsonl. A write that fails (a full disk, a file size limit) is not
+        raised here, where rank 0 alone would leave the loop: it is noted, the step's all-reduce tells every rank,
+        and all stop together (_stop_for_the_metrics). No record is written after it: the file would have a hole."""
+        if not self.env.is_main or self.metrics_failed:
             return
-        self._metrics_file.write(json_line(record) + "\n")
-        self._metrics_file.flush()
+        data = (json_line(record) + "\n").encode()
+        try:
+            while data:  # unbuffered: a failed write leaves no bytes behind to be flushed at close
+                data = data[self._metrics_file.write(data):]
+        except OSError as exc:
+            self.metrics_failed = (f"rank 0 could not write {self.metrics_path} (the {record['type']} record of "
+                                   f"step {self.global_step}): {type(exc).__name__}: {exc}")
+            self.log.error("%s; the other ranks learn of it, and the run stops", self.metrics_failed)
+            return
         if self._tb is not None and record["type"] in ("train", "val"):
             for key, value in record.items():
                 if (isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -2068,6 +2092,12 @@ class DDPTrainer:
             self.log.error("validation at step %d: %s", self.global_step, exc)
             self._save_last_good()  # the weights of the steps so far are fine
             raise
+        except Exception as exc:
+            if not is_collective_error(exc):
+                raise
+            # a peer died or hung in it: no collective save is possible, rank 0 keeps step N's weights alone
+            self._save_weights_here()
+            raise self._explain_failure(exc, f"validation after step {self.global_step}") from exc
         self.log.debug("[DDP] Rank %d: Exiting validation at epoch %d, iter %d", self.env.rank, self.epoch,
                        self.global_step)
         self.last_val, self.last_val_step = res["loss"], self.global_step
@@ -2137,8 +2167,9 @@ class DDPTrainer:
             clean = True
         except BaseException as exc:
             if isinstance(exc, Exception) and not isinstance(exc, StepFailed) and is_collective_error(exc):
-                # a peer failed outside a training step (validation, a save, a metrics write): name it
-                explained = self._explain_failure(exc)
+                # a peer failed outside a training step (a save, the test set's evaluation): name it, at the step
+                # it came after, not the next one, which never began
+                explained = self._explain_failure(exc, f"after step {self.global_step}")
                 self.log.error("training failed after step %d: %s", self.global_step, explained)
                 raise explained from exc
             self.log.error("training failed after step %d: %s: %s", self.global_step, type(exc).__name__, exc)
@@ -2244,7 +2275,7 @@ class DDPTrainer:
                   rt.remove_stale_temp_files(self.cfg.log_dir, log_files)):
             self.log.warning("removed %s, left by a write that was cut short", p)
         self._tb = self._tb_writer(log_dir=str(Path(self.cfg.log_dir) / "tensorboard")) if self._tb_writer else None
-        self._metrics_file = open(self.metrics_path, "a")
+        self._metrics_file = open(self.metrics_path, "ab", buffering=0)
         # which run and session wrote the records that follow (a fresh run's file starts with it); with the
         # launcher's id, its proof that this launch began training
         self.write_metrics(rt.with_launch_id({"type": "start", "run_id": self.run_id, "step": self.global_step,
@@ -2382,6 +2413,8 @@ class DDPTrainer:
             self.save_state()
         if r["write_failed"] or self.writer.retry_pending:
             self._save_again_after_a_failed_write()
+        if r["metrics_failed"]:
+            self._stop_for_the_metrics()
         if early:
             return "early_stopped"
         if r["stop"]:
@@ -2452,6 +2485,26 @@ class DDPTrainer:
         """The weights before a failed step, on disk before the run raises."""
         self.save_checkpoint("interrupted")
         self.writer.flush()
+
+    def _stop_for_the_metrics(self) -> None:
+        """Rank 0 could not append to metrics.jsonl, and every rank knows it (the step's all-reduce, or at the end
+        of the run): all stop together, raising rank 0's error, which names the file. As at a stop signal, the
+        weights and a resumable state of this step are saved first (the checkpoint dir may have room), so that a
+        relaunch, once there is room, resumes here."""
+        text = rt.broadcast_object(self.metrics_failed)
+        try:
+            self.save_checkpoint("interrupted")
+            if self.state_step != self.global_step:
+                self.save_state()
+            self.writer.flush()
+            saved = (f"step {self.global_step}'s weights are in {self.checkpoint_path('interrupted')} and its "
+                     f"resumable state beside them: free space (or raise the file size limit) and relaunch to resume")
+        except Exception as exc:  # the metrics' error is the one to raise; this one is logged
+            self.log.error("could not save step %d's files: %s: %s", self.global_step, type(exc).__name__, exc)
+            saved = f"step {self.global_step}'s files could not be saved either: a relaunch resumes from the newest state"
+        text = f"{text}; the run stopped on every rank after step {self.global_step}; {saved}"
+        self.log.error(text)
+        raise StepFailed(text)
 
     def _interrupt(self, stop_signal: rt.StopSignal) -> str:
         self.log.warning("stop signal received (%s): saving and exiting at step %d",
@@ -2667,6 +2720,9 @@ class DDPTrainer:
         if self.env.device.type == "cuda":
             summary["cuda_peak_gb"] = memory["cuda_peak_gb"]
         self.write_metrics({"type": "summary", **summary})
+        # no step's all-reduce is left to carry a failed write (the last step's, the closing validation's, this one)
+        if status != "interrupted" and rt.broadcast_object(self.metrics_failed):
+            self._stop_for_the_metrics()
         if status != "interrupted":  # last: a relaunch of this run then has nothing to do
             rt.run_on_rank0(self._complete_run_dir, summary, what="writing the COMPLETED marker")
         self.log.info("finished (%s): %s", status, json_line(summary))
@@ -2869,6 +2925,8 @@ def _train_and_exit_code(rank: int, world_size: int, cfg: dict, local_rank: Opti
         return train_preemptible(build, bad_input(TrainConfig.from_dict, cfg).log_dir, requested)
     except BadInput as exc:
         return rt.refuse(str(exc), show=show_refusal and rank == 0)
+    except rt.SetUpTimeout as exc:
+        return rt.set_up_failed(str(exc))
 
 
 def _spawned_worker(rank: int, world_size: int, cfg: dict, requested=None) -> None:

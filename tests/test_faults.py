@@ -51,6 +51,8 @@ class OnRank:
         self.calls += model.training
         if self.hit and not model.training and self.what == "raise_in_validation" and self.calls >= self.step:
             raise ValueError("injected failure in validation")
+        if self.hit and not model.training and self.what == "killed_in_validation" and self.calls >= self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
         s, c = lm_loss(model, batch)
         if self.hit and model.training and self.calls == self.step:
             if self.what == "nan":
@@ -179,6 +181,20 @@ def test_a_validation_failure_on_one_rank_is_named_on_every_rank_and_keeps_the_w
     assert saved["global_step"] == 4  # the steps before the failed validation are kept
 
 
+
+def test_a_peer_killed_in_validation_is_named_as_lost_there_and_rank_0_keeps_the_weights(tmp_path):
+    """Rank 1 killed (SIGKILL) in the validation after step 4: rank 0 said `step 5: RuntimeError: ... Connection
+    closed by peer`, a step that never began, and saved nothing. It now names the validation and the lost peer,
+    and keeps step 4's weights on its own, as for a peer lost in a step (no collective save: the peer is gone)."""
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] did not report \(exit codes \{1: -9\}"):
+        spawn(_run, 2, str(tmp_path), 1, 4, "killed_in_validation", {"val_interval": 4}, timeout=60)
+    log = (tmp_path / "logs" / "rank_0.log").read_text()
+    assert "training failed after step 4: StepFailed: validation after step 4: a peer was lost (" in log, log
+    assert "step 5" not in log, log
+    saved = torch.load(tmp_path / "ckpt" / "model_interrupted.pt", weights_only=True)
+    assert saved["global_step"] == 4
+
+
 def test_an_extra_metric_on_one_rank_only_is_named_on_every_rank(tmp_path):
     # the step's all-reduce packs the extras by name: an unannounced one must not change its size on one rank
     r0, r1 = spawn(_run, 2, str(tmp_path), 1, 3, "new_extra", timeout=60)
@@ -275,11 +291,65 @@ def _failing_metrics_write(rank, world_size, root):
 
 
 def test_a_failure_outside_a_step_is_named_on_every_rank(tmp_path):
-    """Rank 0 fails writing the validation's record; rank 1 meets it in the next collective, not in a step."""
+    """Rank 0 raises alone after a validation (write_metrics itself raises here: a failed write of the file is
+    caught, see test_a_failed_metrics_write_...); rank 1 meets it in the next collective, not in a step."""
     r0, r1 = spawn(_failing_metrics_write, 2, str(tmp_path), timeout=90)
     assert r0.startswith("OSError: [Errno 28] No space left on device")
-    assert "StepFailed: step 5: rank 0 failed: OSError: [Errno 28] No space left on device" in r1, r1
+    # the step it came after: step 5 never began
+    assert "StepFailed: after step 4: rank 0 failed: OSError: [Errno 28] No space left on device" in r1, r1
     assert not (tmp_path / "logs" / "FAILED_rank_1").exists()  # its failure was rank 0's
+
+
+
+class FullAfter:
+    """A file that takes `room` writes, then fails as a full disk does."""
+
+    def __init__(self, f, room):
+        self.f, self.room = f, room
+
+    def write(self, data):
+        if self.room == 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= 1
+        return self.f.write(data)
+
+    def close(self):
+        self.f.close()
+
+
+def _metrics_on_a_full_disk(rank, world_size, root, room):
+    trainer = DDPTrainer(rank=rank, world_size=world_size, config=cfg_for(root, val_interval=4, save_every_iters=4))
+    prepare = trainer._prepare_run_dir
+
+    def then_fill_the_disk():  # rank 0's: it alone opens metrics.jsonl
+        prepare()
+        trainer._metrics_file = FullAfter(trainer._metrics_file, room)
+    trainer._prepare_run_dir = then_fill_the_disk
+    try:
+        trainer.train()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.parametrize("room, lost, stop", [(6, "train record of step 6", 7), (15, "summary record of step 12", 12)])
+def test_a_failed_metrics_write_names_the_file_and_stops_every_rank_with_a_save(tmp_path, room, lost, stop):
+    """A write of metrics.jsonl that failed (a full disk, `ulimit -f`) was rank 0's bare `OSError: [Errno 28] No
+    space left on device`, raised alone in the loop, and rank 1 quoted it from the marker at its next collective.
+    Now every rank learns it in the next step's all-reduce (at the end: in the run's last broadcast) and raises
+    the same error, naming the file, the record and the OS error, after this step's weights and state are
+    saved; the checkpoints written before stay, and no partial record is left in the file."""
+    results = spawn(_metrics_on_a_full_disk, 2, str(tmp_path), room, timeout=90)
+    logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"
+    said = (f"StepFailed: rank 0 could not write {logs / 'metrics.jsonl'} (the {lost}): OSError: [Errno 28] No "
+            f"space left on device; the run stopped on every rank after step {stop}; step {stop}'s weights are in "
+            f"{ckpt / 'model_interrupted.pt'} and its resumable state beside them")
+    assert all(r.startswith(said) for r in results), results
+    assert not list(logs.glob("FAILED_rank_*"))  # one decision for all, not a rank's failure quoted by the other
+    assert len(metrics(logs)) == room  # whole records only
+    assert rt.load_checkpoint(ckpt / "model_step_4.pt")["global_step"] == 4
+    assert rt.load_checkpoint(ckpt / "model_interrupted.pt")["global_step"] == stop
+    rt.load_checkpoint(ckpt / f"model_state_step_{stop}.pt")
 
 
 class StopsItsWorker(torch.utils.data.Dataset):

@@ -1607,6 +1607,35 @@ def test_a_second_sigterm_ends_a_rank_stuck_in_set_up_at_once(tmp_path):
     assert "second SIGTERM during set-up: exiting at once" in out
 
 
+
+@pytest.mark.multi
+def test_a_rank_that_does_not_arrive_ends_set_up_with_one_error_line_naming_it(tmp_path):
+    """A peer that never reached set-up ended the rank waiting for it with torch's DistStoreError traceback,
+    which names a store key. Now: one `error:` line naming the missing rank, the timeout and its flag, exit 1
+    (a failure, not bad input), and the detail in rank_N.log. On a launcher's store (torchrun's, --nproc's)
+    rank 0 waits for rank 1, which comes after rank 0 gave up and says that it was the late one; with rank 0
+    hosting the rendezvous itself (plain env://), rank 0 can only count who connected."""
+    import ddp_training
+    store = ddp_training.rendezvous_store(0)  # what an --nproc parent or torchrun's agent holds
+    agent = dict(WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=store.port, TORCHELASTIC_USE_AGENT_STORE="True")
+    hosted = dict(WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_ports(1)[0])
+    said = {}
+    for name, rank, launch in (("agent", 0, agent), ("agent", 1, agent), ("hosted", 0, hosted)):
+        env = clean_env(RANK=rank, LOCAL_RANK=rank, **launch)
+        code, out = run_script_forked("ddp_training", ["--cpu", "--test", "--dist_timeout", "2", "--log_dir",
+                                                       tmp_path / name], tmp_path, env)
+        errors = [line for line in out.splitlines() if line.startswith("error: ")]
+        assert code == 1 and len(errors) == 1 and "Traceback" not in out, out
+        said[name, rank] = errors[0][len("error: "):]
+        assert said[name, rank].startswith(f"rank {rank}: set-up timed out after 2s: "), out
+        assert "--dist_timeout" in said[name, rank], out
+        log = (tmp_path / name / f"rank_{rank}.log").read_text()
+        assert f"set-up failed: {said[name, rank]}" in log and "Traceback" in log, log
+    assert "rank(s) 1 of 2 did not arrive" in said["agent", 0]
+    assert "this rank arrived after rank(s) 0 gave up waiting for the others" in said["agent", 1]
+    assert "only 1 of 2 ranks (this one included) connected to the rendezvous" in said["hosted", 0]
+
+
 # -- a real corpus ----------------------------------------------------------------------------
 
 def write_text_corpus(path: Path, n_bytes: int = 300_000, seed: int = 0) -> None:
