@@ -490,19 +490,22 @@ def refuse(message: str, show: bool = True) -> int:
 
 def set_up_failed(message: str) -> int:
     """A failure at set-up that is no bad input (ranks that did not meet): one `error:` line on stderr from each
-    rank that saw it, as each names what it saw (the detail is in its rank_N.log), and exit 1 as any failure."""
+    rank that saw it, as each names what it saw (the detail is in its rank_N.log), and exit 1 as any failure.
+    torchrun's failure summary shows it too (not marked as a refusal: the launcher keeps exit 1)."""
+    note_for_torchrun(f"error: {message}", refused=False)
     print(f"error: {message}", file=sys.stderr, flush=True)
     return EXIT_FAILURE
 
 
-def note_for_torchrun(message: str) -> bool:
+def note_for_torchrun(message: str, refused: bool = True) -> bool:
     """`message` into TORCHELASTIC_ERROR_FILE where one is set; False if it could not be written."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return True
     # "refused" says it is bad input whatever exit code torchrun pairs it with: a peer that refused too may be
     # ended by torchrun's SIGTERM after writing this, and be taken for the first failure (exit -15)
-    reason = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time())), "refused": "true"}}}
+    info = {"timestamp": str(int(time.time())), **({"refused": "true"} if refused else {})}
+    reason = {"message": {"message": message, "extraInfo": info}}
     try:  # whole or not at all: torchrun's summary fails on a file it cannot parse
         atomic_write_text(path, json.dumps(reason))
     except OSError as exc:

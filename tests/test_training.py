@@ -1621,7 +1621,8 @@ def test_a_rank_that_does_not_arrive_ends_set_up_with_one_error_line_naming_it(t
     hosted = dict(WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_ports(1)[0])
     said = {}
     for name, rank, launch in (("agent", 0, agent), ("agent", 1, agent), ("hosted", 0, hosted)):
-        env = clean_env(RANK=rank, LOCAL_RANK=rank, **launch)
+        error_file = tmp_path / f"torchrun_error_{name}_{rank}.json"  # where torchrun's summary reads a reason
+        env = clean_env(RANK=rank, LOCAL_RANK=rank, TORCHELASTIC_ERROR_FILE=error_file, **launch)
         code, out = run_script_forked("ddp_training", ["--cpu", "--test", "--dist_timeout", "2", "--log_dir",
                                                        tmp_path / name], tmp_path, env)
         errors = [line for line in out.splitlines() if line.startswith("error: ")]
@@ -1631,6 +1632,8 @@ def test_a_rank_that_does_not_arrive_ends_set_up_with_one_error_line_naming_it(t
         assert "--dist_timeout" in said[name, rank], out
         log = (tmp_path / name / f"rank_{rank}.log").read_text()
         assert f"set-up failed: {said[name, rank]}" in log and "Traceback" in log, log
+        reason = json.loads(error_file.read_text())["message"]  # a failure, not a refusal: the launcher keeps 1
+        assert reason["message"] == errors[0] and "refused" not in reason["extraInfo"], reason
     assert "rank(s) 1 of 2 did not arrive" in said["agent", 0]
     assert "this rank arrived after rank(s) 0 gave up waiting for the others" in said["agent", 1]
     assert "only 1 of 2 ranks (this one included) connected to the rendezvous" in said["hosted", 0]
