@@ -299,9 +299,14 @@ def _group_store(rank: int, world_size: int, timeout: datetime.timedelta):
     return dist.PrefixStore(f"ddp_kit_group_{_groups_made}", store)
 
 
-class SetUpTimeout(RuntimeError):
-    """The ranks did not all meet within the set-up timeout: a failure (exit 1), not bad input, told in one
-    `error:` line that names who did not arrive and what to change, instead of torch's DistStoreError traceback."""
+class SetUpFailed(RuntimeError):
+    """The ranks could not complete set-up together (one late, stuck or gone): a failure (exit 1), not bad input,
+    told in one `error:` line (set_up_failed) instead of torch's traceback, which goes to rank_N.log."""
+
+
+class SetUpTimeout(SetUpFailed):
+    """The ranks did not all meet within the set-up timeout: the line names who did not arrive and what to
+    change, instead of torch's DistStoreError."""
 
     def __init__(self, rank: int, timeout: datetime.timedelta, what: str):
         seconds = timeout.total_seconds()

@@ -1046,13 +1046,16 @@ class DDPTrainer:
         try:
             self.env = rt.setup_distributed(rank, world_size, local_rank, cfg.dist_backend, cfg.device,
                                             max(cfg.dist_timeout, cfg.first_step_timeout))
-        except rt.SetUpTimeout as exc:
+        except rt.SetUpFailed as exc:
             rt.log_set_up_failure(cfg.log_dir, rank, exc)
             raise
         try:
             self._build(model, train_dataset, val_dataset, test_dataset, loss_fn, collate_fn,
                         checkpoint_extra, weights_key, count_unit, describe)
         except BaseException as exc:
+            # asked while the group stands: who did not answer
+            together = (self._set_up_failed_together(exc)
+                        if isinstance(exc, Exception) and is_collective_error(exc) else None)
             if hasattr(self, "run_lock"):
                 self.run_lock.release()
             if hasattr(self, "log"):  # the traceback into rank_N.log; the console gets the error from the caller
@@ -1060,9 +1063,27 @@ class DDPTrainer:
                     rt.log_to_file(self.log, logging.WARNING, rt.CTRL_C_BEFORE_TRAINING)
                 else:
                     rt.log_to_file(self.log, logging.ERROR, "trainer set-up failed", sys.exc_info())
+                    if together is not None:
+                        rt.log_to_file(self.log, logging.ERROR, str(together))
                 rt.close_logger(self.log)
             rt.teardown_distributed()
+            if together is not None:
+                raise together from exc
             raise
+
+    def _set_up_failed_together(self, exc: Exception) -> rt.SetUpFailed:
+        """A collective of set-up, after the group formed, failed: gloo's words (a timeout of a send, a closed
+        connection) in the ranks' terms. A rank still reading its data or building its model is the usual one."""
+        timeout = max(self.cfg.dist_timeout, self.cfg.first_step_timeout)
+        text = str(exc).lower()
+        if "timed out" in text or "timeout" in text:
+            what = (f"a collective of set-up did not complete within {timeout:g}s ({rt.missing_ranks(5.0)}): a rank "
+                    f"still reading its data or building its model, or stuck; give set-up longer with "
+                    f"--first_step_timeout (or --dist_timeout)")
+        else:
+            what = ("a peer left during set-up (it failed, was killed, or gave up waiting for this rank: its "
+                    "rank_N.log says which)")
+        return rt.SetUpFailed(f"rank {self.env.rank}: set-up failed: {what}")
 
     # -- set-up ---------------------------------------------------------------
 

@@ -638,7 +638,7 @@ def main(argv=None):
         return evaluate(args, launch) if args.evaluate else train(args, launch)
     except BadInput as exc:
         return rt.refuse(str(exc))
-    except rt.SetUpTimeout as exc:
+    except rt.SetUpFailed as exc:
         return rt.set_up_failed(str(exc))
 
 
