@@ -136,6 +136,17 @@ def detect_launch_env() -> dict:
     return found
 
 
+def note(message: str) -> None:
+    """A `note:` line on stderr about the flags, from the first rank only: every rank of a torchrun or srun
+    launch reads the same flags."""
+    try:
+        first = detect_launch_env()["rank"] == 0
+    except LaunchEnvError:  # refused where the trainer starts; the note is still worth a line
+        first = True
+    if first:
+        print(f"note: {message}", file=sys.stderr)
+
+
 def _slurm_step_tasks(env) -> Optional[int]:
     """The task count of the srun step this process is a task of, or None (no SLURM, or the batch script)."""
     if "SLURM_PROCID" not in env:

@@ -23,16 +23,18 @@ EARLY_STOPS: list = []
 if __name__ == "__main__":
     for _sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(_sig, lambda signum, frame: EARLY_STOPS.append(signum))
-
+# __mp_main__: an --nproc rank (spawned) imports this file again; its parent tells of a Ctrl-C for all of them
+if __name__ in ("__main__", "__mp_main__"):
     def _ctrl_c_in_the_imports(signum, frame):
         """Death by SIGINT, as Python's own exit on Ctrl-C, with one line in place of the import machinery's
         traceback (a closed stderr, `| tee` ended by the same Ctrl-C, does not keep the process alive)."""
         signal.signal(signum, signal.SIG_DFL)
         try:
-            os.write(2, b"stopped by Ctrl-C while starting: nothing ran\n")
+            if __name__ == "__main__":
+                os.write(2, b"stopped by Ctrl-C while starting: nothing ran\n")
         finally:
             os.kill(os.getpid(), signum)
-    _SIGINT_AT_START = signal.getsignal(signal.SIGINT)  # put back before main(); an ignored Ctrl-C stays ignored
+    _SIGINT_AT_START = signal.getsignal(signal.SIGINT)  # put back after the imports; an ignored Ctrl-C stays ignored
     if _SIGINT_AT_START is signal.default_int_handler:
         signal.signal(signal.SIGINT, _ctrl_c_in_the_imports)
 
@@ -870,6 +872,10 @@ class StepTally:
         extras = [self.extras.get(n, self.count * 0) for n in names]
         return torch.cat([torch.stack([self.count, self.loss_sum, self.nonfinite, self.bad_grads]), flags,
                           torch.stack(extras) if extras else flags[:0]])
+
+
+# What close() logs for a trainer that never trained (built to evaluate, say); training_logs reads it
+CLOSED_UNTRAINED = "closed without training"
 
 
 def metrics_run_id(path: Path) -> Optional[str]:
@@ -2217,6 +2223,8 @@ class DDPTrainer:
     def close(self) -> None:
         """For a trainer that will not train (built to evaluate, say): stop its loader workers and let go of its
         run dirs, which train() does when it ends."""
+        if self._metrics_file is None and self.env.is_main:  # never trained: training_logs reads this line
+            self.log.info(CLOSED_UNTRAINED)
         self._stop_loader_workers()
         self.run_lock.release()
 
@@ -2849,8 +2857,7 @@ def add_config_flags(parser: argparse.ArgumentParser, keys: list, unset) -> None
 def epochs_rule(epochs, max_steps, source: str) -> None:
     """A --num_epochs flag is the run's length: the max_steps of a preset or a file below it would end the run
     first, or run it past those epochs (max_steps wins over num_epochs), and the flag would do nothing."""
-    print(f"note: --num_epochs {epochs} replaces max_steps={max_steps} of {source} (a --max_steps flag keeps one)",
-          file=sys.stderr)
+    rt.note(f"--num_epochs {epochs} replaces max_steps={max_steps} of {source} (a --max_steps flag keeps one)")
 
 
 def config_from_args(args: argparse.Namespace) -> dict:
@@ -2868,7 +2875,7 @@ def config_from_args(args: argparse.Namespace) -> dict:
         renamed = None  # the file's own run: its dirs are this run's
     for key in ("log_dir", "checkpoint_dir") if renamed else ():
         if cfg.get(key) is not None and not hasattr(args, key):
-            print(f"note: {renamed} replaces {key}={cfg[key]} of --config {args.config}", file=sys.stderr)
+            rt.note(f"{renamed} replaces {key}={cfg[key]} of --config {args.config}")
             cfg[key] = None
     for f in dataclasses.fields(TrainConfig):
         if hasattr(args, f.name):  # given on the command line (flags default to "absent")
@@ -3126,6 +3133,7 @@ def main(argv: Optional[list] = None) -> int:
                                 requested=rt.FirstSignal(EARLY_STOPS))
 
 
-if __name__ == "__main__":
+if __name__ in ("__main__", "__mp_main__"):  # a rank's set-up tells of a Ctrl-C itself (rank_N.log)
     signal.signal(signal.SIGINT, _SIGINT_AT_START)
+if __name__ == "__main__":
     rt.run_script(main)

@@ -16,7 +16,9 @@ samples trained over that time (so it includes validation and checkpoints), mfu 
 steps' model FLOPs utilisation (CUDA runs of models that count their FLOPs; "-" otherwise). A run whose
 metrics.jsonl has no complete record yet (it has just started) is a row with status "no records yet",
 unless its rank_0.log holds an error: "failed in set-up" (no metrics.jsonl) or "failed before its first
-record"; or "stopped in set-up" when a Ctrl-C ended its launch before its first step.
+record"; or "stopped in set-up" when a Ctrl-C ended its launch before its first step; "not trained" for a
+trainer closed without training; "ended before its first record" when the process its run-dir lock names
+no longer runs on this host and nothing else says why (killed, or a second stop signal).
 
 Plot layout: the default loss-curve figure has one row per run (train loss, val loss, learning rate on a
 second y axis); --compare puts every run in one axes instead. A --metrics grid has one subplot per metric
@@ -37,6 +39,7 @@ import json
 import math
 import os
 import re
+import socket
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -56,6 +59,8 @@ NO_RECORDS = "no records yet"
 SET_UP_FAILED = "failed in set-up"
 FAILED_EARLY = "failed before its first record"
 STOPPED_IN_SET_UP = "stopped in set-up"
+NOT_TRAINED = "not trained"
+ENDED_EARLY = "ended before its first record"
 UNREADABLE = "unreadable"  # a run found by --all whose files are damaged: the others are still listed
 LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \[RANK \d+\] ")  # rt.setup_logger's format
 
@@ -79,6 +84,17 @@ class SetUpFailed(NoRecords):
 class StoppedInSetUp(NoRecords):
     """A launch that a Ctrl-C ended before it trained a step (nothing failed: it was asked to stop)."""
     status = STOPPED_IN_SET_UP
+
+
+class NotTrained(NoRecords):
+    """A trainer built and closed without training (to evaluate a checkpoint, say)."""
+    status = NOT_TRAINED
+
+
+class EndedEarly(NoRecords):
+    """A run whose process is gone (its run-dir lock names a pid no longer running on this host) without a
+    record or an error: killed, or ended by a second stop signal, which exits at once."""
+    status = ENDED_EARLY
 
 
 class FailedEarly(NoRecords):
@@ -301,8 +317,15 @@ def load_run(run_dir, name: Optional[str] = None) -> Run:
                       SetUpFailed(f"{run_dir}: failed before its first step: {error}"))
             failed.error = error
             raise failed from None
-        if log.is_file() and any(CTRL_C_IN_SET_UP.search(line) for line in launches(log)[-1]):
+        newest = launches(log)[-1] if log.is_file() else []
+        if any(CTRL_C_IN_SET_UP.search(line) for line in newest):
             raise StoppedInSetUp(f"{run_dir}: stopped by Ctrl-C in set-up, before its first step") from None
+        if any(CLOSED_UNTRAINED.search(line) for line in newest):
+            raise NotTrained(f"{run_dir}: its trainer was closed without training (built to evaluate?)") from None
+        gone = lock_holder_gone(run_dir)
+        if gone:
+            raise EndedEarly(f"{run_dir}: its process ({gone}) ended before its first record, with no error in its "
+                             f"log (killed, or a second stop signal)") from None
         raise
     records = last_session(records, path)
     run = Run(name=name or run_dir.resolve().name, path=run_dir)
@@ -331,6 +354,26 @@ def launches(log: Path) -> list:
         lines = f.read().splitlines()
     starts = [i for i, line in enumerate(lines) if i and SESSION_START.search(line)]
     return [lines[a:b] for a, b in zip([0] + starts, starts + [len(lines)])]
+
+
+def lock_holder_gone(run_dir: Path) -> Optional[str]:
+    """'pid N on HOST' where the run dir's lock note (the trainer's rank 0 writes it: "pid N on HOST since
+    ...") names a process that no longer runs on this host; None where it runs, or lives elsewhere, or no note
+    says. The note is read, never locked: a lock taken here could turn a starting run away."""
+    try:
+        note = (run_dir / ".lock").read_text()
+    except OSError:
+        return None
+    m = re.match(r"pid (\d+) on (\S+) since ", note)
+    if not m or m.group(2) != socket.gethostname():
+        return None
+    try:
+        os.kill(int(m.group(1)), 0)
+    except ProcessLookupError:
+        return f"pid {m.group(1)} on {m.group(2)}"
+    except OSError:  # EPERM: it runs, as another user
+        return None
+    return None
 
 
 def first_error(log: Path) -> Optional[str]:
@@ -438,6 +481,7 @@ def test_loss(summary: dict) -> Optional[float]:
 # (ddp_runtime.CTRL_C_BEFORE_TRAINING)
 SET_UP_FAILURE = re.compile(r"\] ERROR: (trainer set-up failed|set-up (failed|stopped))")
 CTRL_C_IN_SET_UP = re.compile(r"\] WARNING: stopped by Ctrl-C before any training step")
+CLOSED_UNTRAINED = re.compile(r"\] INFO: closed without training$")  # ddp_training.CLOSED_UNTRAINED
 
 
 def world_size(run: Run) -> Optional[int]:
@@ -530,7 +574,8 @@ def format_summaries(rows: list, fmt: str = "one-line") -> str:
         lines = []
         for r in rows:
             f = {k: _fmt(k, r[k]) for k in SUMMARY_FIELDS}
-            if r["status"] in (NO_RECORDS, SET_UP_FAILED, STOPPED_IN_SET_UP, FAILED_EARLY, UNREADABLE):
+            if r["status"] in (NO_RECORDS, SET_UP_FAILED, STOPPED_IN_SET_UP, NOT_TRAINED, ENDED_EARLY, FAILED_EARLY,
+                               UNREADABLE):
                 lines.append(f"{f['name']}: {r['status']}" + (f": {r['error']}" if r.get("error") else ""))
                 continue
             lines.append(f"{f['name']}: {f['status']}, {f['steps']} steps, val {f['final_val_loss']} "

@@ -43,7 +43,6 @@ import json
 import logging
 import math
 import numbers
-import sys
 from contextlib import contextmanager
 from functools import partial
 
@@ -283,8 +282,9 @@ def check_fits(predictor, geometry, flag, trained_on=None):
     for 10 x 3 and be read scrambled."""
     T, P, D, A, C = geometry
     if trained_on is not None and tuple(trained_on[1:]) != (P, D, A, C):
+        differ = [name for name, here, there in zip("PDAC", (P, D, A, C), trained_on[1:]) if here != there]
         raise BadInput(f"{flag}: data geometry {geometry} differs from the training data's "
-                       f"{type(geometry)(*trained_on)} in P, D, A or C")
+                       f"{type(geometry)(*trained_on)} in {' and '.join(differ)}")
     cfg = predictor.config
     if (cfg["embed_dim"], cfg["num_patches"], cfg["action_dim"]) != (D, P, A * C) or T - 1 > cfg["max_steps"]:
         raise BadInput(f"{flag}: data geometry {geometry} does not fit the predictor (embed_dim={cfg['embed_dim']}, "
@@ -462,7 +462,7 @@ def defaults_from_file(parser, path, given) -> dict:
     for key in ("checkpoint_dir", "log_dir") if run != file_run else ():
         if values.get(key) is not None and key not in given:
             renamed = "--run_name" if "run_name" in given else "--test"
-            print(f"note: {renamed} replaces {key}={values[key]} of --config {path}", file=sys.stderr)
+            rt.note(f"{renamed} replaces {key}={values[key]} of --config {path}")
             values[key] = None
     return values
 

@@ -853,7 +853,7 @@ def test_a_saved_config_with_another_run_name_makes_another_run(tmp_path, no_lau
     assert cfg.log_dir == "/scratch/exp1"
 
 
-def test_an_epochs_flag_is_the_runs_length_over_the_max_steps_of_test_or_a_file(tmp_path, capsys):
+def test_an_epochs_flag_is_the_runs_length_over_the_max_steps_of_test_or_a_file(tmp_path, capsys, monkeypatch):
     """max_steps wins over num_epochs in the trainer, so --test's 60 steps (or a file's max_steps) made an
     explicit --num_epochs do nothing: `--test --num_epochs 1` ran 60 steps, about two epochs."""
     parse = build_arg_parser().parse_args
@@ -864,6 +864,11 @@ def test_an_epochs_flag_is_the_runs_length_over_the_max_steps_of_test_or_a_file(
     cfg_file.write_text("max_steps: 500\n")
     assert config_from_args(parse(["--config", str(cfg_file), "--epochs", "2"]))["max_steps"] == 0
     assert f"replaces max_steps=500 of --config {cfg_file}" in capsys.readouterr().err
+    # every rank of a torchrun launch parses the flags: the first one says it (an audit saw it twice)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert config_from_args(parse(["--test", "--num_epochs", "1"]))["max_steps"] == 0
+    assert capsys.readouterr().err == ""
     # both flags: as given (max_steps wins, as always); no epochs flag: the preset's or the file's steps
     assert config_from_args(parse(["--test", "--num_epochs", "1", "--max_steps", "9"]))["max_steps"] == 9
     assert config_from_args(parse(["--test"]))["max_steps"] == 60
@@ -1255,11 +1260,14 @@ def test_a_stop_while_the_script_imports_torch_stops_it_at_step_1_with_a_save(tm
 
 
 def wait_until_starting(proc, log_dir: Path, when: str) -> None:
-    """Until an --nproc run's two ranks exist ("while-the-ranks-import-torch") or rank 1 has begun its
-    set-up and opened its log ("during-their-set-up"); 60 s at most."""
+    """Until an --nproc run's two ranks import torch ("while-the-ranks-import-torch": past their first lines,
+    Python's start-up) or rank 1 has begun its set-up and opened its log ("during-their-set-up"); 60 s at most."""
+    def importing():
+        ranks = ranks_of(proc)
+        return len(ranks) >= 2 and all(torch_is_loading(r.pid) for r in ranks)
     deadline = time.time() + 60
     while time.time() < deadline:
-        if len(ranks_of(proc)) >= 2 if when.startswith("while") else (log_dir / "rank_1.log").exists():
+        if importing() if when.startswith("while") else (log_dir / "rank_1.log").exists():
             return
         time.sleep(0.01)
     pytest.fail(f"the --nproc run did not reach '{when}' within 60 s")
@@ -1299,6 +1307,7 @@ def test_ctrl_c_during_the_set_up_of_an_nproc_run_is_no_success(tmp_path, when):
         out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGINT, out[-3000:]
     assert rt.CTRL_C_BEFORE_TRAINING in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]  # the ranks' import machinery's, twice (a README audit)
     assert not (tmp_path / "logs" / "COMPLETED").exists() and not (tmp_path / "ckpt" / "model_final.pt").exists()
 
 

@@ -2,7 +2,9 @@
 
 import json
 import math
+import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -754,6 +756,43 @@ def test_a_set_up_failure_is_the_newest_launchs(tmp_path):
     with pytest.raises(tl.NoRecords) as caught:
         tl.load_run(d)
     assert caught.value.status == "no records yet"
+
+
+def test_a_run_whose_process_is_gone_without_a_record_is_not_still_setting_up(tmp_path, capsys):
+    """A run killed (or ended by a second stop signal, which exits at once) before its first record was shown as
+    "no records yet (the run is still setting up)" for ever. Its run-dir lock names its process: gone from this
+    host, the run ended. A live process, or one on another host, leaves it as it was."""
+    d = tmp_path / "r"
+    d.mkdir()
+    (d / "rank_0.log").write_text("2026-11-27 10:00:00 [RANK 0] INFO: rank 0/1, local_rank 0, device cpu\n")
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid, host = int(gone.stdout), socket.gethostname()
+    for note, status in ((f"pid {pid} on {host} since 2026-11-27 10:00:00\n", "ended before its first record"),
+                         (f"pid {os.getpid()} on {host} since 2026-11-27 10:00:00\n", "no records yet"),
+                         (f"pid {pid} on another-{host} since 2026-11-27 10:00:00\n", "no records yet"),
+                         ("", "no records yet")):
+        (d / ".lock").write_text(note)
+        with pytest.raises(tl.NoRecords) as caught:
+            tl.load_run(d)
+        assert caught.value.status == status, note
+    (d / ".lock").write_text(f"pid {pid} on {host} since 2026-11-27 10:00:00\n")
+    assert tl.main(["summary", str(d)]) == 0
+    assert capsys.readouterr().out == "r: ended before its first record\n"
+    (d / "metrics.jsonl").write_text('{"type": "start", "run_id": "ab", "step": 0}\n')  # killed in its first step
+    with pytest.raises(tl.EndedEarly, match=rf"its process \(pid {pid} on {host}\) ended before its first record"):
+        tl.load_run(d)
+
+
+def test_a_trainer_closed_without_training_is_not_trained(tmp_path, no_launch_env):
+    cfg = {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "seq_len": 8, "dataset_size": 64, "batch_size": 8,
+           "device": "cpu", "log_dir": str(tmp_path / "run"), "checkpoint_dir": str(tmp_path / "run" / "c")}
+    trainer = DDPTrainer(rank=0, world_size=1, config=cfg)
+    assert math.isfinite(trainer.evaluate()["loss"])
+    trainer.close()
+    with pytest.raises(tl.NotTrained, match="closed without training"):
+        tl.load_run(tmp_path / "run")
+    DDPTrainer(rank=0, world_size=1, config={**cfg, "max_steps": 2}).train()  # a later launch that trains
+    assert tl.summarize(tl.load_run(tmp_path / "run"))["status"] == "completed"
 
 
 def test_a_refused_plot_makes_no_directories(runs, tmp_path, capsys):

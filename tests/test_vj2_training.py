@@ -672,8 +672,8 @@ def test_evaluate_refuses_data_whose_action_layout_differs_from_the_training_dat
     torch.save({**saved, "data_geometry": [T, P, D, A, C]}, path)
     assert vj2.main(["--evaluate", str(path), *data]) == 2
     assert capsys.readouterr().err == (f"error: --validation_data_dir: data geometry T={T} P={P} D={D} A=5 C=6 "
-                                       f"differs from the training data's T={T} P={P} D={D} A={A} C={C} in P, D, A "
-                                       f"or C\n")
+                                       f"differs from the training data's T={T} P={P} D={D} A={A} C={C} in A and "
+                                       f"C\n")
     torch.save(saved, path)  # a checkpoint from before data_geometry: shapes only, as then
     assert vj2.main(["--evaluate", str(path), *data]) == 0
     torch.save({**saved, "data_geometry": [T, P, D, 5]}, path)
