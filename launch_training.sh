@@ -53,9 +53,9 @@ environment that is not activated: PYTHON=.venv/bin/python.
 Exit status: 0 the run finished; 75 the run was stopped by a signal and left a PREEMPTED marker in its log
 dir (relaunch the same command to resume); 2 bad arguments, to this script or to the training script (a flag,
 a file, a refused state); otherwise torchrun's status.
-The marker is looked for in the log dir given with -l/--log_dir, else in the scripts' defaults
+The marker is looked for in the log dir given with -l/--log-dir, else in the scripts' defaults
 (runs/<run_name>/ and checkpoints/<run_name>/ for a --run_name after --, else runs/*/ and checkpoints/*/;
-and the -c/--checkpoint_dir dir); pass -l when a --config file moves it.
+and the -c/--checkpoint-dir dir); pass -l when a --config file moves it.
 
 Examples:
   ./launch_training.sh --cpu --test
