@@ -878,6 +878,18 @@ class StepTally:
 CLOSED_UNTRAINED = "closed without training"
 
 
+def move_aside(path: Path) -> Path:
+    """Renames metrics.jsonl to metrics.<time>.jsonl (rank_3.log to rank_3.<time>.log), numbered after the time
+    where two fresh runs start in one second: an earlier run's file is never replaced."""
+    stem, suffix = path.name.rsplit(".", 1)
+    stamp, n = int(time.time()), 1
+    aside = path.with_name(f"{stem}.{stamp}.{suffix}")
+    while aside.exists():
+        aside, n = path.with_name(f"{stem}.{stamp}.{n}.{suffix}"), n + 1
+    os.replace(path, aside)
+    return aside
+
+
 def metrics_run_id(path: Path) -> Optional[str]:
     """The run a metrics file belongs to, as its first record (a "start" record) names it; None for a file
     without one (written before runs named themselves, empty, or unreadable)."""
@@ -2295,6 +2307,8 @@ class DDPTrainer:
         (Path(self.cfg.log_dir) / rt.PREEMPTED_MARKER).unlink(missing_ok=True)
         (Path(self.cfg.log_dir) / COMPLETED_MARKER).unlink(missing_ok=True)  # until this run finishes
         self._start_metrics_file()
+        if self.resumed_from is None:
+            self._set_aside_other_ranks_logs()
         self._set_aside_old_states()
         self._write_resolved_config()
         self._link_checkpoints()
@@ -2655,7 +2669,7 @@ class DDPTrainer:
         if not self.metrics_path.exists():
             return
         if self.resumed_from is None:  # a fresh run: keep the old curves, start a new file
-            self._move_metrics_aside()
+            move_aside(self.metrics_path)
             return
         kept = []
         for line in self.metrics_path.read_text().splitlines():
@@ -2667,20 +2681,20 @@ class DDPTrainer:
                 kept.append(line)
         rt.atomic_write_text(self.metrics_path, "".join(k + "\n" for k in kept))
 
+    def _set_aside_other_ranks_logs(self) -> None:
+        """A fresh run with fewer ranks than an earlier one in this dir: the earlier run's rank_N.log of the ranks
+        this one does not have would pass for this run's (the others' logs go on, launch after launch)."""
+        for path in sorted(Path(self.cfg.log_dir).glob("rank_*.log")):
+            n = path.stem.removeprefix("rank_")
+            if n.isdigit() and int(n) >= self.env.world_size:
+                aside = move_aside(path)
+                self.log.info("moved %s aside to %s: this run has %d rank(s)", path, aside, self.env.world_size)
+
     def _before_resume(self, rec: dict) -> bool:
         """A record this run keeps on resuming: one of its steps up to the state (a session that started at the
         state's step is this one's)."""
         step = rec.get("step", 0)
         return step < self.global_step if rec.get("type") == "start" else step <= self.global_step
-
-    def _move_metrics_aside(self) -> Path:
-        stamp = int(time.time())
-        aside = self.metrics_path.with_name(f"metrics.{stamp}.jsonl")
-        n = 1
-        while aside.exists():  # two fresh runs in one second: never replace the earlier curves
-            aside, n = self.metrics_path.with_name(f"metrics.{stamp}.{n}.jsonl"), n + 1
-        os.replace(self.metrics_path, aside)
-        return aside
 
     def _take_back_own_metrics(self) -> None:
         """Another run that started fresh in this log dir (another checkpoint_dir or checkpoint_prefix) moved
@@ -2689,7 +2703,7 @@ class DDPTrainer:
         if exists and metrics_run_id(self.metrics_path) in (None, self.run_id):  # None: written before run ids
             return
         own = [p for p in self.metrics_path.parent.glob("metrics.*.jsonl") if metrics_run_id(p) == self.run_id]
-        other = self._move_metrics_aside() if exists else None
+        other = move_aside(self.metrics_path) if exists else None
         back = max(own, key=lambda p: p.stat().st_mtime) if own else None
         if back is not None:
             os.replace(back, self.metrics_path)

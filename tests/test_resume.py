@@ -229,6 +229,25 @@ def test_a_fresh_run_never_replaces_earlier_set_aside_curves(tmp_path, no_launch
     assert [r["step"] for r in map(json.loads, moved.read_text().splitlines()) if r["type"] == "train"] == [1, 2]
 
 
+def test_a_fresh_run_with_fewer_ranks_sets_the_other_ranks_logs_aside(tmp_path, no_launch_env):
+    """An earlier run of 4 ranks left rank_0..3.log; a fresh run of 1 appends to rank_0.log, launch after launch,
+    and rank_1..3.log would pass for this run's."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for n in range(4):
+        (logs / f"rank_{n}.log").write_text(f"the earlier run's rank {n}\n")
+    (logs / "rank_2.1234.log").write_text("set aside before\n")
+    DDPTrainer(config=cfg_for(tmp_path, max_steps=2)).train()
+    assert sorted(p.name for p in logs.glob("rank_*.log") if p.name.count(".") == 1) == ["rank_0.log"]
+    for n in (1, 2, 3):
+        (aside,) = set(logs.glob(f"rank_{n}.*.log")) - {logs / "rank_2.1234.log"}
+        assert aside.read_text() == f"the earlier run's rank {n}\n"
+    assert (logs / "rank_2.1234.log").read_text() == "set aside before\n"
+    assert (logs / "rank_0.log").read_text().startswith("the earlier run's rank 0\n")
+    DDPTrainer(config=cfg_for(tmp_path, max_steps=4)).train()  # resumed: nothing to set aside
+    assert len(list(logs.glob("rank_*.log"))) == 5
+
+
 def test_a_validation_the_state_predates_is_logged_once(tmp_path, no_launch_env):
     cfg = cfg_for(tmp_path, max_steps=10, save_every_iters=8)  # 8 steps per epoch
     DDPTrainer(config=cfg).train()
