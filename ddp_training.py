@@ -1064,7 +1064,7 @@ class DDPTrainer:
         try:
             self.env = rt.setup_distributed(rank, world_size, local_rank, cfg.dist_backend, cfg.device,
                                             max(cfg.dist_timeout, cfg.first_step_timeout))
-        except rt.SetUpFailed as exc:
+        except rt.SetUpTimeout as exc:
             rt.log_set_up_failure(cfg.log_dir, rank, exc)
             raise
         try:
@@ -2967,7 +2967,7 @@ def _train_and_exit_code(rank: int, world_size: int, cfg: dict, local_rank: Opti
         return train_preemptible(build, bad_input(TrainConfig.from_dict, cfg).log_dir, requested)
     except BadInput as exc:
         return rt.refuse(str(exc), show=show_refusal and rank == 0)
-    except rt.SetUpTimeout as exc:
+    except rt.SetUpFailed as exc:
         return rt.set_up_failed(str(exc))
 
 

@@ -1,7 +1,9 @@
 """Faults that must never hang or desynchronise a run (2 gloo ranks, bounded timeouts):
 every fault ends in the same decision on every rank at the same step, with its cause named."""
 
+import contextlib
 import errno
+import io
 import json
 import math
 import os
@@ -352,45 +354,36 @@ def test_a_failed_metrics_write_names_the_file_and_stops_every_rank_with_a_save(
     rt.load_checkpoint(ckpt / f"model_state_step_{stop}.pt")
 
 
-class LateOnRank1(torch.utils.data.Dataset):
-    """Rank 1 takes `delay_s` to tell its length: a rank still reading its data while rank 0 waits in set-up. Past
-    rank 0's timeout and its 5 s roll call, so that rank 1 never answers that and finds rank 0 gone."""
-
-    def __init__(self, base, rank, delay_s):
-        self.base, self.rank, self.delay_s = base, rank, delay_s
-
-    def __len__(self):
-        if self.rank == 1:
-            time.sleep(self.delay_s)
-        return len(self.base)
-
-    def __getitem__(self, i):
-        return self.base[i]
-
-
 def _late_in_set_up(rank, world_size, root):
-    cfg = cfg_for(root, dist_timeout=2)
-    data = synthetic_lm_data(TrainConfig.from_dict(cfg))
-    model = CausalLM(data.vocab_size, cfg["hidden_size"], cfg["num_layers"], cfg["num_heads"], cfg["seq_len"])
-    try:
-        DDPTrainer(rank=rank, world_size=world_size, config=cfg, model=model, loss_fn=lm_loss,
-                   train_dataset=LateOnRank1(data.train, rank, delay_s=8), val_dataset=data.val)
-    except rt.SetUpFailed as exc:
-        return str(exc)
-    return "no error"
+    """A torchrun rank's path (_train_and_exit_code) where rank 1 takes 8 s to build its data: past rank 0's
+    timeout and its 5 s roll call, so that rank 1 never answers that and then finds rank 0 gone."""
+    import ddp_training
+    build = ddp_training.build_lm_data
+
+    def late(cfg):
+        if rank == 1:
+            time.sleep(8)
+        return build(cfg)
+    ddp_training.build_lm_data = late
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = ddp_training._train_and_exit_code(rank, world_size, cfg_for(root, dist_timeout=2))
+    return code, err.getvalue()
 
 
 def test_a_rank_late_in_set_up_after_the_group_formed_is_named_not_a_gloo_traceback(tmp_path):
     """The group formed, then rank 1 was still reading its data past the timeout: rank 0 said gloo's `Timed out
-    waiting 2000ms for send operation to complete`, rank 1 `Connection closed by peer ... GLHF!`. Now each says
-    what happened in the ranks' terms, and rank 0 names the rank that did not answer."""
-    r0, r1 = spawn(_late_in_set_up, 2, str(tmp_path), timeout=90)
-    assert r0.startswith("rank 0: set-up failed: a collective of set-up did not complete within 2s (rank(s) that did "
-                         "not answer within 5s: 1 (monitored_barrier)): a rank still reading its data"), r0
-    assert "--first_step_timeout" in r0
-    assert r1.startswith("rank 1: set-up failed: a peer left during set-up"), r1
+    waiting 2000ms for send operation to complete`, rank 1 `Connection closed by peer ... GLHF!`, in tracebacks.
+    Now each says what happened in the ranks' terms in one line, exit 1, and rank 0 names the rank that did not
+    answer."""
+    (c0, e0), (c1, e1) = spawn(_late_in_set_up, 2, str(tmp_path), timeout=90)
+    assert (c0, c1) == (1, 1) and "Traceback" not in e0 + e1, (e0, e1)
+    assert e0.startswith("error: rank 0: set-up failed: a collective of set-up did not complete within 2s (rank(s) "
+                         "that did not answer within 5s: 1 (monitored_barrier)): a rank still reading its data"), e0
+    assert "--first_step_timeout" in e0 and e0.count("\n") == 1, e0
+    assert e1.startswith("error: rank 1: set-up failed: a peer left during set-up") and e1.count("\n") == 1, e1
     log = (tmp_path / "logs" / "rank_0.log").read_text()
-    assert "trainer set-up failed" in log and "Traceback" in log and r0 in log  # gloo's words stay in the log
+    assert "trainer set-up failed" in log and "Traceback" in log and e0[len("error: "):] in log  # gloo's words stay
 
 
 class StopsItsWorker(torch.utils.data.Dataset):
