@@ -891,14 +891,22 @@ def move_aside(path: Path) -> Path:
 
 
 def metrics_run_id(path: Path) -> Optional[str]:
-    """The run a metrics file belongs to, as its first record (a "start" record) names it; None for a file
-    without one (written before runs named themselves, empty, or unreadable)."""
+    """The run a metrics file belongs to, as its first "start" record names it (a file a run began before runs
+    named themselves has it after that run's first records); None for a file without one, or unreadable."""
     try:
         with open(path, "rb") as f:
-            rec = json.loads(f.readline())
-    except (OSError, ValueError):  # ValueError: JSON and UTF-8 errors alike
+            for line in f:
+                if b'"type": "start"' not in line:
+                    continue
+                try:
+                    rec = json.loads(line)
+                except ValueError:  # JSON and UTF-8 errors alike: a line cut short
+                    continue
+                if isinstance(rec, dict) and rec.get("type") == "start":
+                    return rec.get("run_id")
+    except OSError:
         return None
-    return rec.get("run_id") if isinstance(rec, dict) and rec.get("type") == "start" else None
+    return None
 
 
 def json_line(record: dict) -> str:
@@ -2266,6 +2274,8 @@ class DDPTrainer:
         except (OSError, ValueError) as exc:
             self.log.warning("ignoring %s: %s", path, exc)
             return None
+        if record.get("run_id", self.run_id) != self.run_id:  # markers before 27 Nov 2026 name no run
+            return None  # another run's, which finished in this log dir (its own checkpoint dir or prefix)
         if record.get("total_steps") != self.total_steps:
             return None  # a longer run trains on
         summary = record.get("summary")
@@ -2298,7 +2308,8 @@ class DDPTrainer:
         self._write_completed_marker(summary)
 
     def _write_completed_marker(self, summary: dict) -> None:
-        record = rt.with_launch_id({"total_steps": self.total_steps, "stop": self._stop_rule(), "summary": summary})
+        record = rt.with_launch_id({"total_steps": self.total_steps, "stop": self._stop_rule(), "summary": summary,
+                                    "run_id": self.run_id})
         rt.atomic_write_text(Path(self.cfg.log_dir) / COMPLETED_MARKER, json_line(record) + "\n")
 
     def _prepare_run_dir(self) -> None:
@@ -2711,7 +2722,8 @@ class DDPTrainer:
             self.log.warning("%s held the records of another run (one that started fresh in this log dir): moved "
                              "them to %s; %s", self.metrics_path, other,
                              f"this run's records are back from {back}" if back else
-                             f"this run's records before step {self.global_step + 1} are not in this log dir")
+                             f"no metrics.*.jsonl here holds this run's records (run {self.run_id}): its curve "
+                             f"starts again at step {self.global_step + 1}")
         elif back is not None:
             self.log.info("this run's records are back in %s from %s", self.metrics_path, back)
 

@@ -299,10 +299,11 @@ def test_a_longer_max_steps_trains_on_from_where_the_finished_run_ended(tmp_path
 
 
 def test_a_resumed_run_takes_its_curves_back_from_another_run_in_its_log_dir(tmp_path, no_launch_env):
-    """Run a stops at step 6; run b (its own checkpoints, the same log dir) starts fresh and moves a's
-    metrics.jsonl aside. When a resumes, its curves must not go on from b's records (a stitched curve)."""
+    """Run a stops at step 6; run b (its own checkpoints, the same log dir) starts fresh, moves a's metrics.jsonl
+    aside and finishes at step 10. When a resumes to 10 steps, its curves must not go on from b's records (a
+    stitched curve), and b's COMPLETED marker must not stop it as 'already finished'."""
     a = cfg_for(tmp_path, max_steps=6, save_every_iters=0)
-    b = {**a, "checkpoint_dir": str(tmp_path / "ckpt_b"), "max_steps": 4}
+    b = {**a, "checkpoint_dir": str(tmp_path / "ckpt_b"), "max_steps": 10}
     logs = tmp_path / "logs"
 
     def steps_by_run(path):
@@ -314,19 +315,31 @@ def test_a_resumed_run_takes_its_curves_back_from_another_run_in_its_log_dir(tmp
     (run_a,), _, _ = steps_by_run(logs / "metrics.jsonl")
     DDPTrainer(config=b).train()
     (run_b,), b_steps, _ = steps_by_run(logs / "metrics.jsonl")
-    assert run_b != run_a and b_steps == [1, 2, 3, 4]
-    DDPTrainer(config={**a, "max_steps": 10}).train()
+    assert run_b != run_a and b_steps == list(range(1, 11))
+    resumed = DDPTrainer(config={**a, "max_steps": 10}).train()
+    assert "already_complete" not in resumed and resumed["resumed_from"].endswith("model_state_step_6.pt")
     ids, steps, starts = steps_by_run(logs / "metrics.jsonl")
     assert ids == {run_a} and steps == list(range(1, 11))
     assert [(s["step"], s["resumed_from"] is not None) for s in starts] == [(0, False), (6, True)]
     (aside,) = logs.glob("metrics.*.jsonl")
-    assert steps_by_run(aside)[:2] == ({run_b}, [1, 2, 3, 4])
+    assert steps_by_run(aside)[:2] == ({run_b}, list(range(1, 11)))
     assert f"held the records of another run (one that started fresh in this log dir): moved them to {aside}; " \
            f"this run's records are back from" in (logs / "rank_0.log").read_text()
     # and b gets its own back in turn
-    DDPTrainer(config={**b, "max_steps": 5}).train()
-    assert steps_by_run(logs / "metrics.jsonl")[:2] == ({run_b}, [1, 2, 3, 4, 5])
+    DDPTrainer(config={**b, "max_steps": 12}).train()
+    assert steps_by_run(logs / "metrics.jsonl")[:2] == ({run_b}, list(range(1, 13)))
     assert sorted(steps_by_run(p)[:2] for p in logs.glob("metrics.*.jsonl")) == [({run_a}, list(range(1, 11)))]
+
+
+def test_a_metrics_file_begun_before_run_ids_is_known_by_its_first_start_record(tmp_path):
+    """A run begun before 27 Nov 2026 and resumed since has its start record after its first records."""
+    from ddp_training import metrics_run_id
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"type": "train", "step": 1}\n{"type": "train", "st\n'
+                    '{"type": "start", "run_id": "ab12", "step": 1}\n{"type": "start", "run_id": "cd34", "step": 2}\n')
+    assert metrics_run_id(path) == "ab12"
+    path.write_text('{"type": "train", "step": 1}\n')
+    assert metrics_run_id(path) is None and metrics_run_id(tmp_path / "absent.jsonl") is None
 
 
 def test_the_last_validation_of_a_finished_run_survives_its_extension(tmp_path, no_launch_env):
