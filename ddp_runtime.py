@@ -353,13 +353,26 @@ def _meet(rank: int, world_size: int, timeout: datetime.timedelta):
         store.wait(keys, timeout)
     except dist.DistError as exc:
         if not _timed_out(exc):
-            raise
+            if rank == 0:
+                raise
+            # rank 0 hosts a plain env:// rendezvous: it gave up on a missing rank and took its store along
+            raise SetUpTimeout(rank, timeout, f"rank 0's rendezvous at {os.environ.get('MASTER_ADDR')}:"
+                                              f"{os.environ.get('MASTER_PORT')} closed while this rank waited for "
+                                              f"the others (rank 0 gave up on a rank that did not arrive: its error "
+                                              f"names it)") from exc
+        raise SetUpTimeout(rank, timeout, _not_arrived(store, keys, rank)) from exc
+    return store
+
+
+def _not_arrived(store, keys: list, rank: int) -> str:
+    """Who did not check in, as the store still tells, and a note there for a peer that arrives later."""
+    try:
         store.set(_store_key("gave_up", rank), "1")  # a peer arriving later learns that it was the slow one
         missing = [r for r, key in enumerate(keys) if not store.check([key])]
-        raise SetUpTimeout(rank, timeout, f"rank(s) {', '.join(map(str, missing))} of {world_size} did not "
-                                          f"arrive (not started, or still busy before their process group: "
-                                          f"importing, reading data)") from exc
-    return store
+    except dist.DistError:  # the store's host (rank 0 of a plain env:// rendezvous) is gone too
+        return f"not every rank of {len(keys)} arrived (the store that would name them is gone)"
+    return (f"rank(s) {', '.join(map(str, missing))} of {len(keys)} did not arrive (not started, or still busy "
+            f"before their process group: importing, reading data)")
 
 
 def _gave_up(store, world_size: int) -> str:

@@ -371,6 +371,27 @@ def _late_in_set_up(rank, world_size, root):
     return code, err.getvalue()
 
 
+def _two_of_three(rank, world_size, root):
+    """Ranks 0 and 1 of 3 on a plain env:// rendezvous (rank 0 hosts the store); rank 2 never comes."""
+    import ddp_training
+    time.sleep(1.5 * rank)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = ddp_training._train_and_exit_code(rank, 3, cfg_for(root, dist_timeout=3))
+    return code, err.getvalue()
+
+
+def test_a_rank_that_arrived_where_rank_0_gave_up_on_another_says_so(tmp_path):
+    """With rank 0 hosting a plain env:// rendezvous (srun without torchrun), rank 0 gives up on rank 2 and its
+    store goes with it: rank 1, which had arrived, ended with `DistNetworkError: Failed to recv` in a traceback
+    (a review of 27 Nov)."""
+    (c0, e0), (c1, e1) = spawn(_two_of_three, 2, str(tmp_path), timeout=90)
+    assert (c0, c1) == (1, 1) and "Traceback" not in e0 + e1, (e0, e1)
+    assert e0.startswith("error: rank 0: set-up timed out after 3s: only 2 of 3 ranks"), e0
+    assert e1.startswith("error: rank 1: set-up timed out after 3s: rank 0's rendezvous at 127.0.0.1:"), e1
+    assert "closed while this rank waited for the others" in e1, e1
+
+
 def test_a_rank_late_in_set_up_after_the_group_formed_is_named_not_a_gloo_traceback(tmp_path):
     """The group formed, then rank 1 was still reading its data past the timeout: rank 0 said gloo's `Timed out
     waiting 2000ms for send operation to complete`, rank 1 `Connection closed by peer ... GLHF!`, in tracebacks.
