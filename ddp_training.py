@@ -2092,6 +2092,8 @@ class DDPTrainer:
         if not self.env.is_main or self.metrics_failed:
             return
         data = (json_line(record) + "\n").encode()
+        fd = self._metrics_file.fileno()
+        whole = os.fstat(fd).st_size
         try:
             while data:  # unbuffered: a failed write leaves no bytes behind to be flushed at close
                 data = data[self._metrics_file.write(data):]
@@ -2099,6 +2101,10 @@ class DDPTrainer:
             self.metrics_failed = (f"rank 0 could not write {self.metrics_path} (the {record['type']} record of "
                                    f"step {self.global_step}): {type(exc).__name__}: {exc}")
             self.log.error("%s; the other ranks learn of it, and the run stops", self.metrics_failed)
+            try:  # a short write (a file size limit, a disk filling mid-write) left part of the record
+                os.ftruncate(fd, whole)
+            except OSError as cut:
+                self.log.error("could not cut the part of that record off %s: %s", self.metrics_path, cut)
             return
         if self._tb is not None and record["type"] in ("train", "val"):
             for key, value in record.items():

@@ -304,28 +304,32 @@ def test_a_failure_outside_a_step_is_named_on_every_rank(tmp_path):
 
 
 class FullAfter:
-    """A file that takes `room` writes, then fails as a full disk does."""
+    """A file that takes `room` writes, then fails as a full disk does: after writing part of the next record
+    (a short write, as a file size limit or a disk filling mid-write gives) when `torn`."""
 
-    def __init__(self, f, room):
-        self.f, self.room = f, room
+    def __init__(self, f, room, torn=False):
+        self.f, self.room, self.torn = f, room, torn
 
     def write(self, data):
         if self.room == 0:
+            if self.torn:
+                self.torn = False
+                return self.f.write(data[:len(data) // 2])
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         self.room -= 1
         return self.f.write(data)
 
-    def close(self):
-        self.f.close()
+    def __getattr__(self, name):  # fileno, close
+        return getattr(self.f, name)
 
 
-def _metrics_on_a_full_disk(rank, world_size, root, room):
+def _metrics_on_a_full_disk(rank, world_size, root, room, torn):
     trainer = DDPTrainer(rank=rank, world_size=world_size, config=cfg_for(root, val_interval=4, save_every_iters=4))
     prepare = trainer._prepare_run_dir
 
     def then_fill_the_disk():  # rank 0's: it alone opens metrics.jsonl
         prepare()
-        trainer._metrics_file = FullAfter(trainer._metrics_file, room)
+        trainer._metrics_file = FullAfter(trainer._metrics_file, room, torn)
     trainer._prepare_run_dir = then_fill_the_disk
     try:
         trainer.train()
@@ -334,14 +338,16 @@ def _metrics_on_a_full_disk(rank, world_size, root, room):
     return "no error"
 
 
-@pytest.mark.parametrize("room, lost, stop", [(6, "train record of step 6", 7), (15, "summary record of step 12", 12)])
-def test_a_failed_metrics_write_names_the_file_and_stops_every_rank_with_a_save(tmp_path, room, lost, stop):
+@pytest.mark.parametrize("room, lost, stop, torn", [(6, "train record of step 6", 7, True),
+                                                     (15, "summary record of step 12", 12, False)])
+def test_a_failed_metrics_write_names_the_file_and_stops_every_rank_with_a_save(tmp_path, room, lost, stop, torn):
     """A write of metrics.jsonl that failed (a full disk, `ulimit -f`) was rank 0's bare `OSError: [Errno 28] No
     space left on device`, raised alone in the loop, and rank 1 quoted it from the marker at its next collective.
     Now every rank learns it in the next step's all-reduce (at the end: in the run's last broadcast) and raises
     the same error, naming the file, the record and the OS error, after this step's weights and state are
-    saved; the checkpoints written before stay, and no partial record is left in the file."""
-    results = spawn(_metrics_on_a_full_disk, 2, str(tmp_path), room, timeout=90)
+    saved; the checkpoints written before stay, and no partial record is left in the file (`torn`: the failed
+    write had written half of its record, cut off again)."""
+    results = spawn(_metrics_on_a_full_disk, 2, str(tmp_path), room, torn, timeout=90)
     logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"
     said = (f"StepFailed: rank 0 could not write {logs / 'metrics.jsonl'} (the {lost}): OSError: [Errno 28] No "
             f"space left on device; the run stopped on every rank after step {stop}; step {stop}'s weights are in "
