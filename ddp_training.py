@@ -3158,6 +3158,9 @@ def main(argv: Optional[list] = None) -> int:
     except rt.LaunchEnvError as exc:  # every rank says it: each may have its own wrong number
         return rt.refuse(str(exc))
     if args.nproc > 1:
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # even one worker: torchrun's restarts and stops would miss them
+            return rt.refuse(f"--nproc {args.nproc} spawns its own processes inside a torchrun worker, beyond "
+                             f"torchrun's restarts and stops; give torchrun --nproc_per_node={args.nproc} instead")
         if launch["world_size"] > 1:
             return rt.refuse("--nproc spawns its own processes; do not combine it with torchrun/srun")
         return spawn_local(args.nproc, cfg, early=rt.FirstSignal(EARLY_STOPS))

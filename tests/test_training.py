@@ -975,6 +975,17 @@ def test_cli_bad_input_exits_2_with_a_clear_message(tmp_path, argv, message):
     assert "Traceback" not in out and out.count("error:") == 1, out  # one line, from rank 0
 
 
+def test_nproc_inside_a_torchrun_worker_is_refused_even_for_one_worker(tmp_path):
+    """`launch_training.sh --nproc 1 -- --nproc 2` trained two spawned ranks inside torchrun's one worker, out of
+    reach of its restarts and stops (only a world size over 1 was refused). A one-task srun may use --nproc."""
+    worker = dict(RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_ports(1)[0],
+                  TORCHELASTIC_RUN_ID="x")
+    code, out = run_script_forked("ddp_training", ["--cpu", "--test", "--nproc", "2"], tmp_path, clean_env(**worker))
+    assert code == 2 and out.strip() == ("error: --nproc 2 spawns its own processes inside a torchrun worker, beyond "
+                                         "torchrun's restarts and stops; give torchrun --nproc_per_node=2 instead"), out
+    assert not (tmp_path / "runs").exists()
+
+
 def nproc_env(**extra) -> dict:
     """An --nproc run's environment, with a port of this test process's block (dist_helpers.free_ports): the
     kernel's free port, chosen seconds before the ranks bind it, could go to another test's connection."""
