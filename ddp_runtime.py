@@ -356,10 +356,9 @@ def _meet(rank: int, world_size: int, timeout: datetime.timedelta):
             if rank == 0:
                 raise
             # rank 0 hosts a plain env:// rendezvous: it gave up on a missing rank and took its store along
-            raise SetUpTimeout(rank, timeout, f"rank 0's rendezvous at {os.environ.get('MASTER_ADDR')}:"
-                                              f"{os.environ.get('MASTER_PORT')} closed while this rank waited for "
-                                              f"the others (rank 0 gave up on a rank that did not arrive: its error "
-                                              f"names it)") from exc
+            raise SetUpFailed(f"rank {rank}: set-up failed: rank 0's rendezvous at {os.environ.get('MASTER_ADDR')}:"
+                              f"{os.environ.get('MASTER_PORT')} closed while this rank waited for the others (rank 0 "
+                              f"gave up on a rank that did not arrive: its error names it)") from exc
         raise SetUpTimeout(rank, timeout, _not_arrived(store, keys, rank)) from exc
     return store
 

@@ -373,17 +373,18 @@ def _late_in_set_up(rank, world_size, root):
     ddp_training.build_lm_data = late
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        code = ddp_training._train_and_exit_code(rank, world_size, cfg_for(root, dist_timeout=2))
+        # rank 1 waits far longer: it learns of the end from rank 0 leaving, not from a timeout of its own
+        code = ddp_training._train_and_exit_code(rank, world_size, cfg_for(root, dist_timeout=2 if rank == 0 else 60))
     return code, err.getvalue()
 
 
 def _two_of_three(rank, world_size, root):
-    """Ranks 0 and 1 of 3 on a plain env:// rendezvous (rank 0 hosts the store); rank 2 never comes."""
+    """Ranks 0 and 1 of 3 on a plain env:// rendezvous (rank 0 hosts the store); rank 2 never comes. Rank 1
+    waits far longer than rank 0: it learns of the end from rank 0, not from a timeout of its own."""
     import ddp_training
-    time.sleep(1.5 * rank)
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        code = ddp_training._train_and_exit_code(rank, 3, cfg_for(root, dist_timeout=3))
+        code = ddp_training._train_and_exit_code(rank, 3, cfg_for(root, dist_timeout=4 if rank == 0 else 60))
     return code, err.getvalue()
 
 
@@ -393,8 +394,8 @@ def test_a_rank_that_arrived_where_rank_0_gave_up_on_another_says_so(tmp_path):
     (a review of 27 Nov)."""
     (c0, e0), (c1, e1) = spawn(_two_of_three, 2, str(tmp_path), timeout=90)
     assert (c0, c1) == (1, 1) and "Traceback" not in e0 + e1, (e0, e1)
-    assert e0.startswith("error: rank 0: set-up timed out after 3s: only 2 of 3 ranks"), e0
-    assert e1.startswith("error: rank 1: set-up timed out after 3s: rank 0's rendezvous at 127.0.0.1:"), e1
+    assert e0.startswith("error: rank 0: set-up timed out after 4s: only 2 of 3 ranks"), e0
+    assert e1.startswith("error: rank 1: set-up failed: rank 0's rendezvous at 127.0.0.1:"), e1
     assert "closed while this rank waited for the others" in e1, e1
 
 
