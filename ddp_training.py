@@ -2666,8 +2666,9 @@ class DDPTrainer:
             for f in (p, Path(str(p) + ".sha256")):
                 if f.exists():
                     os.replace(f, aside / f.name)
-        self.log.warning("moved %d resumable state(s) past step %d and %d weights file(s) (not this run's) to %s",
-                         len(old), self.global_step, len(weights), aside)
+        self.log.warning("moved %d resumable state(s) past step %d and %d weights file(s) (%s) to %s", len(old),
+                         self.global_step, len(weights),
+                         "an earlier run's" if fresh else "past the state this run resumes from", aside)
 
     def _saved_step(self, path: Path) -> Optional[int]:
         """The global_step a weights file holds (memory-mapped: the weights are not read); None without one."""

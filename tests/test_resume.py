@@ -198,6 +198,7 @@ def test_resume_none_starts_fresh_and_sets_the_old_states_aside(tmp_path, no_lau
     (aside,) = ckpt.glob("previous_states.*")
     assert sorted(p.name for p in aside.glob("model_state_*.pt")) == ["model_state_step_15.pt",
                                                                       "model_state_step_20.pt"]
+    assert f"weights file(s) (an earlier run's) to {aside}" in (tmp_path / "logs" / "rank_0.log").read_text()
     # and so are its weights files, which the new run overwrote (final, step_10) or left beside its own (step_20)
     assert {p.name for p in aside.glob("*.pt")} - {p.name for p in aside.glob("model_state_*.pt")} == {
         "model_best.pt", "model_final.pt", *(f"model_step_{n}.pt" for n in (5, 10, 15, 20))}
@@ -471,6 +472,9 @@ def test_resuming_an_earlier_state_sets_the_later_weights_files_aside(tmp_path, 
     assert {"model_best.pt", "model_final.pt"} <= {p.name for p in aside.iterdir()}
     steps = lambda pattern: sorted(int(p.stem.rsplit("_", 1)[1]) for p in aside.glob(pattern))  # noqa: E731
     assert steps("model_step_*.pt") == steps("model_state_step_*.pt") == [10, 15, 20]  # the first run's
+    # this run's own past (a torchrun restart's is too): not "not this run's", as the line said of every one
+    assert f"weights file(s) (past the state this run resumes from) to {aside}" in \
+        (tmp_path / "logs" / "rank_0.log").read_text()
 
 
 def test_corrupt_newest_state_falls_back_to_the_previous(tmp_path, no_launch_env, reference_1, caplog):
