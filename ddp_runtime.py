@@ -280,7 +280,7 @@ def setup_distributed(rank: int, world_size: int, local_rank: Optional[int] = No
         dist.init_process_group(backend=chosen, store=store, rank=rank, world_size=world_size, timeout=timeout,
                                 device_id=dev if chosen == "nccl" else None)
     except dist.DistError as exc:
-        if not _timed_out(exc):
+        if not timed_out(exc):
             raise
         # a late rank finds the keys of those that gave up on it: they checked in, then left
         late = _gave_up(store, world_size)
@@ -333,7 +333,8 @@ def _store_key(what: str, rank: int) -> str:
     return f"ddp_kit_{what}_{rank}"
 
 
-def _timed_out(exc: BaseException) -> bool:
+def timed_out(exc: BaseException) -> bool:
+    """Whether a collective's or a store's error says it timed out (gloo, NCCL and c10d each word it)."""
     text = str(exc).lower()
     return "timed out" in text or "timeout" in text
 
@@ -344,7 +345,7 @@ def _meet(rank: int, world_size: int, timeout: datetime.timedelta):
     try:
         store = _group_store(rank, world_size, timeout)
     except dist.DistError as exc:
-        if not _timed_out(exc):
+        if not timed_out(exc):
             raise
         raise SetUpTimeout(rank, timeout, _unmet_rendezvous(rank, world_size, exc)) from exc
     keys = [_store_key("arrived", r) for r in range(world_size)]
@@ -352,7 +353,7 @@ def _meet(rank: int, world_size: int, timeout: datetime.timedelta):
     try:
         store.wait(keys, timeout)
     except dist.DistError as exc:
-        if not _timed_out(exc):
+        if not timed_out(exc):
             if rank == 0:
                 raise
             # rank 0 hosts a plain env:// rendezvous: it gave up on a missing rank and took its store along

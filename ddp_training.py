@@ -1101,8 +1101,7 @@ class DDPTrainer:
         """A collective of set-up, after the group formed, failed: gloo's words (a timeout of a send, a closed
         connection) in the ranks' terms. A rank still reading its data or building its model is the usual one."""
         timeout = max(self.cfg.dist_timeout, self.cfg.first_step_timeout)
-        text = str(exc).lower()
-        if "timed out" in text or "timeout" in text:
+        if rt.timed_out(exc):
             what = (f"a collective of set-up did not complete within {timeout:g}s ({rt.missing_ranks(5.0)}): a rank "
                     f"still reading its data or building its model, or stuck; give set-up longer with "
                     f"--first_step_timeout (or --dist_timeout)")
@@ -1763,7 +1762,7 @@ class DDPTrainer:
                                         world_size=self.env.world_size)
         if peers:
             text = f"{where}: " + "; ".join(f"rank {p['rank']} failed: {p['error']}" for p in peers)
-        elif "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
+        elif rt.timed_out(exc):
             text = (f"{where}: a collective did not complete within dist_timeout={self.cfg.dist_timeout:g}s "
                     f"(a rank is stuck, dead or far slower); {rt.missing_ranks(5.0)}")
         elif any(t in str(exc).lower() for t in PEER_LOST_TEXT):
