@@ -310,9 +310,20 @@ def _group_store(rank: int, world_size: int, timeout: datetime.timedelta):
     return dist.PrefixStore(f"ddp_kit_group_{_groups_made}", store)
 
 
-class SetUpFailed(RuntimeError):
-    """The ranks could not complete set-up together (one late, stuck or gone): a failure (exit 1), not bad input,
-    told in one `error:` line (set_up_failed) instead of torch's traceback, which goes to rank_N.log."""
+class Failed(RuntimeError):
+    """A failure whose message already says what failed, where and (from the peers) why: a script ends with
+    that one `error:` line and exit 1 (see failed), instead of Python's traceback of the kit's own frames,
+    which goes to rank_N.log."""
+
+    def line(self, rank: int) -> str:
+        return f"rank {rank}: {type(self).__name__}: {self}"
+
+
+class SetUpFailed(Failed):
+    """The ranks could not complete set-up together (one late, stuck or gone): a failure (exit 1), not bad input."""
+
+    def line(self, rank: int) -> str:  # its message names the rank and says set-up failed
+        return str(self)
 
 
 class SetUpTimeout(SetUpFailed):
@@ -517,12 +528,14 @@ def refuse(message: str, show: bool = True) -> int:
     return EXIT_BAD_INPUT
 
 
-def set_up_failed(message: str) -> int:
-    """A failure at set-up that is no bad input (ranks that did not meet): one `error:` line on stderr from each
-    rank that saw it, as each names what it saw (the detail is in its rank_N.log), and exit 1 as any failure.
-    torchrun's failure summary shows it too (not marked as a refusal: the launcher keeps exit 1)."""
-    note_for_torchrun(f"error: {message}", refused=False)
-    print(f"error: {message}", file=sys.stderr, flush=True)
+def failed(exc: Failed, rank: int) -> int:
+    """A failure that is no bad input (ranks that did not meet, a step that failed, a peer lost): one `error:`
+    line on stderr from each rank that saw it, as each names what it saw (the traceback is in its rank_N.log),
+    and exit 1 as any failure. torchrun's failure summary shows it too (not marked as a refusal: the launcher
+    keeps exit 1)."""
+    message = f"error: {exc.line(rank)}"
+    note_for_torchrun(message, refused=False)
+    print(message, file=sys.stderr, flush=True)
     return EXIT_FAILURE
 
 
@@ -689,6 +702,14 @@ def setup_logger(log_dir: str | os.PathLike, rank: int, debug: bool = False, nam
         sh.setFormatter(fmt)
         logger.addHandler(sh)
     return logger
+
+
+def log_failure(logger: logging.Logger, message: str, exc: BaseException) -> None:
+    """An ERROR line on the console and in rank_N.log, with the traceback of `exc` in the file only."""
+    for h in logger.handlers:
+        in_file = isinstance(h, (logging.FileHandler, _KeptRecords))
+        exc_info = (type(exc), exc, exc.__traceback__) if in_file else None
+        h.handle(logger.makeRecord(logger.name, logging.ERROR, __file__, 0, message, None, exc_info))
 
 
 def log_to_file(logger: logging.Logger, level: int, message: str, exc_info=None) -> None:

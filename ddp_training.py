@@ -13,30 +13,16 @@ all-reduced value, so all ranks take the same branch at the same step.
 
 from __future__ import annotations
 
-import os
 import signal
 
+import early_signals
+
 # Run as a script, the stop signals that schedulers send are caught from here, before torch's import
-# (seconds): one that arrives then stops the run at its first step with a marker (a SLURM job is then
-# requeued) instead of killing the rank. train_preemptible takes them over.
-EARLY_STOPS: list = []
-if __name__ == "__main__":
-    for _sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(_sig, lambda signum, frame: EARLY_STOPS.append(signum))
-# __mp_main__: an --nproc rank (spawned) imports this file again; its parent tells of a Ctrl-C for all of them
+# (seconds), and train_preemptible takes them over. __mp_main__: an --nproc rank (spawned) imports this file
+# again; its parent tells of a Ctrl-C for all of them.
+EARLY_STOPS: list = early_signals.catch_stops() if __name__ == "__main__" else []
 if __name__ in ("__main__", "__mp_main__"):
-    def _ctrl_c_in_the_imports(signum, frame):
-        """Death by SIGINT, as Python's own exit on Ctrl-C, with one line in place of the import machinery's
-        traceback (a closed stderr, `| tee` ended by the same Ctrl-C, does not keep the process alive)."""
-        signal.signal(signum, signal.SIG_DFL)
-        try:
-            if __name__ == "__main__":
-                os.write(2, b"stopped by Ctrl-C while starting: nothing ran\n")
-        finally:
-            os.kill(os.getpid(), signum)
-    _SIGINT_AT_START = signal.getsignal(signal.SIGINT)  # put back after the imports; an ignored Ctrl-C stays ignored
-    if _SIGINT_AT_START is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _ctrl_c_in_the_imports)
+    _SIGINT_AT_START = early_signals.quiet_ctrl_c(say=__name__ == "__main__")
 
 import argparse
 import collections.abc
@@ -49,6 +35,7 @@ import json
 import logging
 import math
 import numbers
+import os
 import random
 import re
 import secrets
@@ -800,7 +787,7 @@ class DataMismatch(ValueError):
     """The ranks were given different data: other sizes, or other contents under one size."""
 
 
-class StepFailed(RuntimeError):
+class StepFailed(rt.Failed):
     """A step failed on some rank; raised on every rank with every rank's error."""
 
 
@@ -822,12 +809,12 @@ class AboveTheBar(logging.StreamHandler):
             self.handleError(record)
 
 
-class StepAbandoned(RuntimeError):
+class StepAbandoned(rt.Failed):
     """This rank's step failed and could not be completed in step with the others (DDP had already
     started reducing): the run ends here, and the others learn why from this rank's FAILED marker."""
 
 
-class EvaluationFailed(RuntimeError):
+class EvaluationFailed(rt.Failed):
     """Evaluation raised on some rank; raised on every rank with every rank's error."""
 
 
@@ -2222,9 +2209,10 @@ class DDPTrainer:
                 # a peer failed outside a training step (a save, the test set's evaluation): name it, at the step
                 # it came after, not the next one, which never began
                 explained = self._explain_failure(exc, f"after step {self.global_step}")
-                self.log.error("training failed after step %d: %s", self.global_step, explained)
+                rt.log_failure(self.log, f"training failed after step {self.global_step}: {explained}", exc)
                 raise explained from exc
-            self.log.error("training failed after step %d: %s: %s", self.global_step, type(exc).__name__, exc)
+            rt.log_failure(self.log, f"training failed after step {self.global_step}: {type(exc).__name__}: {exc}",
+                           exc)
             if not isinstance(exc, StepFailed):  # the original error: let the other ranks name it
                 rt.write_failure_marker(self.cfg.log_dir, self.env.rank, self.global_step + 1, exc)
             raise
@@ -2985,8 +2973,8 @@ def _train_and_exit_code(rank: int, world_size: int, cfg: dict, local_rank: Opti
         return train_preemptible(build, bad_input(TrainConfig.from_dict, cfg).log_dir, requested)
     except BadInput as exc:
         return rt.refuse(str(exc), show=show_refusal and rank == 0)
-    except rt.SetUpFailed as exc:
-        return rt.set_up_failed(str(exc))
+    except rt.Failed as exc:  # set-up's, or training's: its one line says what happened (the traceback: rank_N.log)
+        return rt.failed(exc, rank)
 
 
 def _spawned_worker(rank: int, world_size: int, cfg: dict, requested=None) -> None:

@@ -62,6 +62,7 @@ STOPPED_IN_SET_UP = "stopped in set-up"
 NOT_TRAINED = "not trained"
 ENDED_EARLY = "ended before its first record"
 UNREADABLE = "unreadable"  # a run found by --all whose files are damaged: the others are still listed
+FAILED = "failed"  # no summary record, and the newest launch logged why it ended ("training failed after step N")
 LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \[RANK \d+\] ")  # rt.setup_logger's format
 
 
@@ -345,7 +346,7 @@ def load_run(run_dir, name: Optional[str] = None) -> Run:
 
 
 # The first line of a launch in a rank log (the VJ2 script's, then the trainer's): rank logs are appended to
-SESSION_START = re.compile(r"\] INFO: (\[DDP\] Initializing with backend|rank 0/\d+, local_rank)")
+SESSION_START = re.compile(r"\] INFO: (\[DDP\] Initializing with backend|rank \d+/\d+, local_rank)")
 
 
 def launches(log: Path) -> list:
@@ -391,8 +392,9 @@ def first_error(log: Path) -> Optional[str]:
                 if LOG_LINE.match(later):
                     break
                 after.append(later)
-            raised = [a for a in after if a.strip() and not a.startswith((" ", "Traceback"))]
-            return f"{message}: {raised[-1].strip()}" if raised else message
+            raised = [a.strip() for a in after if a.strip() and not a.startswith((" ", "Traceback"))]
+            # a failure's line already quotes its exception ("training failed after step 4: StepFailed: ...")
+            return f"{message}: {raised[-1]}" if raised and not message.endswith(raised[-1]) else message
     return None
 
 
@@ -503,9 +505,34 @@ def world_size(run: Run) -> Optional[int]:
     return None
 
 
+# What every rank of a launch logs when train() ends in an exception (ddp_training.DDPTrainer.train)
+TRAINING_FAILURE = re.compile(r"\] ERROR: (training failed after step \d+: .*)")
+
+
+def training_failure(run: Run) -> Optional[str]:
+    """'rank R: training failed after step N: ...' from the newest launch of the lowest rank that logged one
+    (a killed rank logs nothing; its peers name the loss); None where no rank did: still running, or killed
+    outright. Only ranks of the newest launch's world: a rank log of a larger earlier world is older news."""
+    world = world_size(run)
+    for log in sorted(run.path.glob("rank_*.log"), key=lambda p: (len(p.name), p.name)):
+        rank = log.stem.removeprefix("rank_")
+        if not rank.isdigit() or (world and int(rank) >= world):
+            continue
+        try:
+            newest = launches(log)[-1]
+        except OSError:
+            continue
+        for line in newest:
+            found = TRAINING_FAILURE.search(line)
+            if found:
+                return f"rank {rank}: {found[1]}"
+    return None
+
+
 def summarize(run: Run) -> dict:
-    """One run's headline numbers. Without a summary record (still running, or killed) they are rebuilt
-    from the train/val records and the status is "incomplete"."""
+    """One run's headline numbers. Without a summary record (still running, killed, or failed) they are
+    rebuilt from the train/val records and the status is "incomplete", or "failed" with the `error` its
+    newest launch logged."""
     if run.no_records:
         return {**dict.fromkeys(SUMMARY_FIELDS), "name": run.name, "status": run.status,
                 **({"error": run.error} if run.error else {})}
@@ -525,9 +552,10 @@ def summarize(run: Run) -> dict:
     else:  # still running: the steps' samples over their time (so the harmonic mean of their rates, the
         # global batch being fixed), which leaves out validation and checkpoints
         rate = statistics.harmonic_mean(rates) if rates else None
+    error = None if s else training_failure(run)
     return {
         "name": run.name,
-        "status": s.get("status", "incomplete"),
+        "status": s.get("status", FAILED if error else "incomplete"),
         "steps": steps,
         "sessions": run.sessions,
         "final_val_loss": final_val_loss(run),
@@ -539,6 +567,7 @@ def summarize(run: Run) -> dict:
         "mfu": statistics.median(mfus) if mfus else None,
         "world_size": world,
         **{field: max(values) if values else None for field, values in peaks.items()},
+        **({"error": error} if error else {}),
     }
 
 
@@ -584,7 +613,8 @@ def format_summaries(rows: list, fmt: str = "one-line") -> str:
                          f"{f['avg_samples_per_s']} samples/s"
                          + (f", MFU {f['mfu']}" if r["mfu"] is not None else "")
                          + f", world {f['world_size']}, peak {f['peak_host_gb']} GB host"
-                         + (f", {f['peak_gpu_gb']} GB GPU" if r["peak_gpu_gb"] is not None else ""))
+                         + (f", {f['peak_gpu_gb']} GB GPU" if r["peak_gpu_gb"] is not None else "")
+                         + (f"; {r['error']}" if r.get("error") else ""))
         return "\n".join(lines)
     if fmt == "table":
         cells = [[_fmt(k, r[k]) for k in SUMMARY_FIELDS] for r in rows]

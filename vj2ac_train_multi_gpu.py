@@ -19,24 +19,14 @@ holding `predictor`, `global_step`, `predictor_config`, `rollout_horizon`, `data
 training data), and `val_loss` when a validation ran at that step.
 """
 
-import os
 import signal
 
-# The stop signals that schedulers send are caught from here, before torch's import: see ddp_training.py
-EARLY_STOPS: list = []
-if __name__ == "__main__":
-    for _sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(_sig, lambda signum, frame: EARLY_STOPS.append(signum))
+import early_signals
 
-    def _ctrl_c_in_the_imports(signum, frame):  # see ddp_training.py
-        signal.signal(signum, signal.SIG_DFL)
-        try:
-            os.write(2, b"stopped by Ctrl-C while starting: nothing ran\n")
-        finally:
-            os.kill(os.getpid(), signum)
-    _SIGINT_AT_START = signal.getsignal(signal.SIGINT)
-    if _SIGINT_AT_START is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _ctrl_c_in_the_imports)
+# The stop signals that schedulers send are caught from here, before torch's import: see ddp_training.py
+EARLY_STOPS: list = early_signals.catch_stops() if __name__ == "__main__" else []
+if __name__ == "__main__":
+    _SIGINT_AT_START = early_signals.quiet_ctrl_c()
 
 import argparse
 import json
@@ -638,8 +628,8 @@ def main(argv=None):
         return evaluate(args, launch) if args.evaluate else train(args, launch)
     except BadInput as exc:
         return rt.refuse(str(exc))
-    except rt.SetUpFailed as exc:
-        return rt.set_up_failed(str(exc))
+    except rt.Failed as exc:  # see ddp_training's _train_and_exit_code
+        return rt.failed(exc, launch["rank"])
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 import ddp_runtime as rt
+import training_logs
 from conftest import (REPO, FlakyData, Indices, background, clean_env, metrics, run, torchrun, torchrun_workers,
                       wait_for_step)
 from dist_helpers import spawn
@@ -918,6 +919,28 @@ def test_a_stopped_rank_turns_into_a_timeout_error_on_the_others(tmp_path):
         assert elapsed < 5 + 30
         # the stuck rank named (a barrier on the default group, whose connections the timeout closed, named none)
         assert "rank(s) that did not answer within 5s: 1 (monitored_barrier)" in text, text[-2000:]
+
+
+def test_a_killed_peer_ends_the_others_with_one_line_and_the_summary_says_why(tmp_path):
+    """Rank 1 killed (SIGKILL) mid-training under torchrun: rank 0 ends with one `error:` line, which torchrun's
+    failure summary shows too, instead of Python's traceback through the trainer's frames (that goes to
+    rank_0.log), and training_logs calls the run failed, with that line."""
+    cmd = torchrun(2, "ddp_training.py", "--cpu", "--test", "--max_steps", "100000", "--val_interval", "0",
+                   "--resume", "none", "--log_dir", "logs", "--checkpoint_dir", "ckpt")
+    with background(cmd, tmp_path) as agent:
+        wait_for_step(tmp_path / "logs" / "metrics.jsonl", 5)
+        torchrun_workers(agent)[1].kill()
+        out, _ = agent.communicate(timeout=60)
+    assert agent.returncode == 1, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: rank 0: StepFailed: step "), out[-3000:]
+    assert "a peer was lost" in errors[0] and "[rank0]: Traceback" not in out, out[-3000:]
+    assert f"traceback : {errors[0][:60]}" in out, out[-3000:]  # torchrun's summary, from the error file
+    log = (tmp_path / "logs" / "rank_0.log").read_text()
+    assert "training failed after step" in log and "Traceback (most recent call last)" in log, log[-3000:]
+    row = training_logs.summarize(training_logs.load_run(tmp_path / "logs"))
+    assert row["status"] == "failed" and row["error"].startswith("rank 0: training failed after step "), row
+    assert errors[0].removeprefix("error: rank 0: ") in row["error"]
 
 
 class OutOfMemoryAbove:

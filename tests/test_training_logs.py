@@ -611,6 +611,36 @@ def test_the_world_size_of_a_running_run_is_its_own_not_the_dirs_earlier_one(tmp
     assert tl.summarize(tl.load_run(d))["world_size"] == 1
 
 
+def test_a_run_whose_newest_launch_failed_in_training_says_failed_and_why(tmp_path, capsys):
+    """Without a summary record a run is "incomplete" (running, or killed outright), unless a rank of its newest
+    launch logged how training ended: then "failed", with the lowest such rank's line (a killed rank 0 logs
+    nothing; its peer names the loss). A relaunch that runs again, or a rank log of an earlier larger world,
+    is not this launch's failure."""
+    d = write_run(tmp_path / "r", train_recs(range(1, 6), spe=9))
+    start = "2026-11-27 10:00:00 [RANK {r}] INFO: rank {r}/2, local_rank {r}, device cpu\n"
+    failure = ("2026-11-27 10:00:09 [RANK {r}] ERROR: training failed after step 5: StepFailed: step 6: a peer was "
+               "lost (...)\nTraceback (most recent call last):\n  File \"x.py\", line 1, in _step\n"
+               "StepFailed: step 6: a peer was lost (...)\n")
+    (d / "rank_0.log").write_text(start.format(r=0))
+    (d / "rank_1.log").write_text(start.format(r=1) + failure.format(r=1))
+    (d / "rank_2.log").write_text(start.format(r=2) + failure.format(r=2).replace("step 6", "step 2"))
+    row = tl.summarize(tl.load_run(d))
+    assert (row["status"], row["error"]) == ("failed", "rank 1: training failed after step 5: StepFailed: step 6: "
+                                                       "a peer was lost (...)")
+    assert tl.main(["summary", str(d)]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("; rank 1: training failed after step 5: StepFailed: step 6: "
+                                                     "a peer was lost (...)")
+    with open(d / "rank_1.log", "a") as f:  # relaunched: the newest launch has not failed
+        f.write(start.format(r=1))
+    row = tl.summarize(tl.load_run(d))
+    assert row["status"] == "incomplete" and "error" not in row
+    # the failed line of the newest launch, not the traceback's repeat of its exception
+    with open(d / "rank_0.log", "a") as f:
+        f.write(failure.format(r=0))
+    assert tl.first_error(d / "rank_0.log") == "training failed after step 5: StepFailed: step 6: a peer was lost (...)"
+    assert tl.summarize(tl.load_run(d))["error"].startswith("rank 0: training failed after step 5")
+
+
 def test_a_flag_is_no_metric_and_an_unknown_image_format_is_refused(runs, tmp_path, capsys):
     assert "skipped" not in tl.available_metrics([tl.load_run(runs / "lr_3e-3")])
     plt = tl._pyplot()
