@@ -374,6 +374,17 @@ def lock_holder_gone(run_dir: Path) -> Optional[str]:
         return f"pid {m.group(1)} on {m.group(2)}"
     except OSError:  # EPERM: it runs, as another user
         return None
+    return f"pid {m.group(1)} on {m.group(2)}" if is_zombie(int(m.group(1))) else None
+
+
+def is_zombie(pid: int) -> bool:
+    """Dead, and not yet reaped by its parent (torchrun, a shell busy elsewhere): signal 0 still finds it.
+    Linux's /proc tells; elsewhere it counts as alive."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2:].startswith(("Z", "X"))
     return None
 
 

@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -811,6 +812,17 @@ def test_a_run_whose_process_is_gone_without_a_record_is_not_still_setting_up(tm
     (d / "metrics.jsonl").write_text('{"type": "start", "run_id": "ab", "step": 0}\n')  # killed in its first step
     with pytest.raises(tl.EndedEarly, match=rf"its process \(pid {pid} on {host}\) ended before its first record"):
         tl.load_run(d)
+    # killed, and not yet reaped by its parent (a zombie): ended too
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.time() + 30
+    while not tl.is_zombie(zombie.pid) and time.time() < deadline:
+        time.sleep(0.02)
+    try:
+        (d / ".lock").write_text(f"pid {zombie.pid} on {host} since 2026-11-27 10:00:00\n")
+        with pytest.raises(tl.EndedEarly, match=rf"its process \(pid {zombie.pid} on {host}\) ended before"):
+            tl.load_run(d)
+    finally:
+        zombie.wait()
 
 
 def test_a_trainer_closed_without_training_is_not_trained(tmp_path, no_launch_env):
