@@ -548,12 +548,26 @@ def note_for_torchrun(message: str, refused: bool = True) -> bool:
     # ended by torchrun's SIGTERM after writing this, and be taken for the first failure (exit -15)
     info = {"timestamp": str(int(time.time())), **({"refused": "true"} if refused else {})}
     reason = {"message": {"message": message, "extraInfo": info}}
+    if not refused and refusal_in(path) is not None:  # --nproc's ranks share one file: the input ended the run
+        return True
     try:  # whole or not at all: torchrun's summary fails on a file it cannot parse
         atomic_write_text(path, json.dumps(reason))
     except OSError as exc:
         print(f"cannot write torchrun's error file {path}: {exc}", file=sys.stderr)
         return False
     return True
+
+
+def refusal_in(path) -> Optional[str]:
+    """The message of a refusal (bad input) that note_for_torchrun wrote to `path`; None for a failure's
+    note, or no note."""
+    try:
+        reason = json.loads(Path(path).read_text())["message"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if isinstance(reason, dict) and reason.get("extraInfo", {}).get("refused") == "true":
+        return reason["message"]
+    return None
 
 
 class ArgumentParser(argparse.ArgumentParser):

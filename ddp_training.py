@@ -3057,7 +3057,7 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker, early: Optional[r
     rendezvous = {var: os.environ.get(var) for var in RENDEZVOUS_VARS}  # put back at the end
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True")
     reasons = tempfile.TemporaryDirectory(prefix="ddp_training_nproc_")
-    refusal = Path(reasons.name) / "error.json"  # ranks refusing for different reasons: one of them
+    refusal = Path(reasons.name) / "error.json"  # ranks refusing for different reasons: one of them (see rt.failed)
     outer_error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     context, forwarded = None, []
     requested = mp.get_context("spawn").RawValue("i", 0)  # no lock: a signal handler writes it
@@ -3105,8 +3105,9 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker, early: Optional[r
             if context.join(timeout=0, grace_period=_join_grace(context.processes, forwarded)):
                 break
     except mp.ProcessExitedException as exc:
-        if refusal.exists():  # whatever its peers did then, the input ended the run
-            print(json.loads(refusal.read_text())["message"]["message"], file=sys.stderr, flush=True)
+        refused = rt.refusal_in(refusal)
+        if refused is not None:  # whatever its peers did then, the input ended the run
+            print(refused, file=sys.stderr, flush=True)
             return EXIT_BAD_INPUT
         # Ctrl-C in the ranks' set-up (130), or while they import torch: Python's KeyboardInterrupt there is
         # exit 1, or death by SIGINT. Once they train, it is a stop like SIGTERM (75).

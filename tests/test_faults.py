@@ -943,6 +943,25 @@ def test_a_killed_peer_ends_the_others_with_one_line_and_the_summary_says_why(tm
     assert errors[0].removeprefix("error: rank 0: ") in row["error"]
 
 
+def test_a_killed_rank_of_an_nproc_run_is_a_failure_not_a_refusal(tmp_path):
+    """--nproc's ranks share one torchrun error file: the survivor's note of its failure was taken for a refusal
+    (exit 2, bad input: a wrapper would not retry) and printed a second time, and the killed rank went unnamed
+    (found by a user's exploratory test)."""
+    cmd = [sys.executable, REPO / "ddp_training.py", "--cpu", "--nproc", "2", "--test", "--max_steps", "100000",
+           "--val_interval", "0", "--log_dir", "logs", "--checkpoint_dir", "ckpt"]
+    with background(cmd, tmp_path) as proc:
+        wait_for_step(tmp_path / "logs" / "metrics.jsonl", 5)
+        ranks = [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        assert len(ranks) == 2, ranks
+        ranks[-1].kill()
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 2, out[-3000:]
+    assert re.match(r"error: rank [01]: StepFailed: step \d+: a peer was lost", errors[0]), errors
+    assert re.match(r"error: rank [01] \(pid \d+\) was killed by SIGKILL", errors[1]), errors
+
+
 class OutOfMemoryAbove:
     """lm_loss that runs out of memory on `rank` when a micro-batch has more than `limit` samples
     (forward) or, with in_backward, in the backward of training step `step`."""
