@@ -654,7 +654,7 @@ def gather_objects(obj: Any) -> list:
     return out
 
 
-class Rank0Failed(RuntimeError):
+class Rank0Failed(Failed):
     """What the other ranks raise when `run_on_rank0`'s function failed on rank 0; `kind` is its error's type."""
 
     def __init__(self, text: str, kind: str):
@@ -1726,8 +1726,8 @@ class SetUpWatch:
 # Checkpoint I/O
 # ----------------------------------------------------------------------------
 
-class CheckpointError(RuntimeError):
-    pass
+class CheckpointError(Failed):
+    """A checkpoint that could not be written or read; the message names the file and why."""
 
 
 class CheckpointWriteHung(CheckpointError):

@@ -809,6 +809,10 @@ class AboveTheBar(logging.StreamHandler):
             self.handleError(record)
 
 
+class Diverged(rt.Failed, FloatingPointError):
+    """max_bad_steps non-finite steps in a row: the weights saved are the last good ones."""
+
+
 class StepAbandoned(rt.Failed):
     """This rank's step failed and could not be completed in step with the others (DDP had already
     started reducing): the run ends here, and the others learn why from this rank's FAILED marker."""
@@ -2160,7 +2164,9 @@ class DDPTrainer:
             self.best_val = res["loss"]
             self.save_checkpoint("best")
         extra = {f"val_{k}": v for k, v in res.items() if k not in ("loss", "count")}
-        self.write_metrics({"type": "val", "step": self.global_step, "epoch": self.epoch,
+        # the epoch its step ran in, as a train record's: at an epoch's end self.epoch has moved on already
+        epoch = self.epoch - 1 if self.step_in_epoch == 0 and self.global_step > 0 else self.epoch
+        self.write_metrics({"type": "val", "step": self.global_step, "epoch": epoch,
                             "steps_per_epoch": self.known_steps_per_epoch,
                             "val_loss": res["loss"], **extra, "time": time.monotonic() - self.t0,
                             **({"loss_floor": self.data_info["loss_floor"]} if "loss_floor" in self.data_info
@@ -2608,7 +2614,7 @@ class DDPTrainer:
             # Skipped steps left the weights untouched: these are the last good ones.
             self._save_last_good()
             n = self.consecutive_bad_steps
-            error, text = ((FloatingPointError, f"{n} consecutive non-finite steps") if r["nonfinite"] else
+            error, text = ((Diverged, f"{n} consecutive non-finite steps") if r["nonfinite"] else
                            (StepFailed, f"{n} consecutive skipped steps, the last with {what}"))
             raise error(f"{text} (max_bad_steps={cfg.max_bad_steps}) at step {self.global_step}; last good weights "
                         f"saved to {self.checkpoint_path('interrupted')}")
@@ -2844,7 +2850,8 @@ def load_yaml_mapping(path: str) -> dict:
         with open(path) as f:
             data = yaml.load(f, Loader=NoRepeats) or {}
     except (OSError, yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise ValueError(f"--config {path}: {exc}") from exc
+        # PyYAML's "in <file>, line L, column C" lines: one line, as every refusal
+        raise ValueError(f"--config {path}: {' '.join(str(exc).split())}") from exc
     if not isinstance(data, dict):
         raise ValueError(f"--config {path}: expected a flat mapping of config keys, got {type(data).__name__}")
     return data

@@ -125,6 +125,7 @@ class Run:
     no_records: Optional[str] = None  # why there is nothing to show yet
     status: str = NO_RECORDS  # of a run with no records
     error: Optional[str] = None  # what a run that failed before its first record logged
+    first_step: int = 0  # the step its first session began at: past 0 when it began from another run's state
 
     def records(self, kind: str) -> list:
         return self.train if kind == "train" else self.val
@@ -262,8 +263,8 @@ def epoch_bounds(records: list) -> tuple:
     """The fewest and most optimizer steps per epoch (n) that the records allow.
 
     Steps count from 1 over the whole run. A train record carries the epoch its step ran in, so
-    e*n < s <= (e+1)*n. A val or summary record written after an epoch's last step already carries the next
-    epoch, so for those only e*n <= s <= (e+1)*n holds. A run of one epoch or less never crosses a boundary
+    e*n < s <= (e+1)*n. A summary record written after an epoch's last step already carries the next epoch, as
+    did val records there before 27 Nov 2026, so for those only e*n <= s <= (e+1)*n holds. A run of one epoch or less never crosses a boundary
     inside its train records; its closing validation or summary ("epochs": 1) is then what pins n down.
     """
     lo, hi = 1, math.inf
@@ -342,7 +343,19 @@ def load_run(run_dir, name: Optional[str] = None) -> Run:
     if not run.train and not run.val and run.summary is None:
         raise LogError(f"{path} holds no train, val or summary record")
     run.steps_per_epoch = find_steps_per_epoch(records)
+    run.first_step = first_step(records)
     return run
+
+
+def first_step(records: list) -> int:
+    """The step the run's first session began at: its start record's (files since 27 Nov 2026), else the step
+    before its first train record (the trainer writes one for every step)."""
+    for rec in records:
+        if rec["type"] == "start" and isinstance(rec.get("step"), int):
+            return rec["step"]
+        if rec["type"] == "train" and isinstance(rec.get("step"), int):
+            return max(rec["step"] - 1, 0)
+    return 0
 
 
 # The first line of a launch in a rank log (the VJ2 script's, then the trainer's): rank logs are appended to
@@ -558,8 +571,8 @@ def summarize(run: Run) -> dict:
     mfus = _finite(r.get("mfu") for r in run.train)
     if run.sessions == 1 and s.get("samples_per_s") is not None:
         rate = s["samples_per_s"]  # the trainer's own count over this one session
-    elif isinstance(s.get("global_batch"), int) and seconds:
-        rate = steps * s["global_batch"] / seconds
+    elif isinstance(s.get("global_batch"), int) and seconds:  # the steps trained here, not another run's
+        rate = (steps - run.first_step) * s["global_batch"] / seconds
     else:  # still running: the steps' samples over their time (so the harmonic mean of their rates, the
         # global batch being fixed), which leaves out validation and checkpoints
         rate = statistics.harmonic_mean(rates) if rates else None
@@ -675,8 +688,8 @@ def x_value(run: Run, rec: dict, x: str):
     if x == "time":
         return rec.get("_elapsed")
     if x == "epoch":
-        # Logged epochs are whole numbers, and a val record after an epoch's last step already carries the
-        # next one: only step / steps_per_epoch places every point right.
+        # Logged epochs are whole numbers (and older val records after an epoch's last step carry the next
+        # one): only step / steps_per_epoch places every point right.
         check_x_axis([run], x)
         s = rec.get("step")
         return s / run.steps_per_epoch if isinstance(s, (int, float)) else None

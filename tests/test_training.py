@@ -560,6 +560,21 @@ def test_nonfinite_loss_skips_the_step_and_gives_up_after_max_bad_steps(tmp_path
     assert saved["global_step"] == 13 and all(torch.isfinite(v).all() for v in saved["model"].values())
 
 
+def test_a_diverged_script_run_ends_with_one_line_and_the_last_good_weights(tmp_path):
+    """A run that diverges (here: a learning rate of 1e6) stops with Diverged, a FloatingPointError. The script
+    printed it as a Python traceback through the trainer's frames, as if it were a bug (a user's exploratory
+    test); it is one line now, the traceback in rank_0.log."""
+    r = run([sys.executable, REPO / "ddp_training.py", "--cpu", "--test", "--lr", "1e6", "--grad_clip", "0",
+             "--warmup_steps", "0", "--val_interval", "0", "--log_dir", "logs", "--checkpoint_dir", "ckpt"], tmp_path)
+    assert r.returncode == 1 and "Traceback" not in r.stdout, r.stdout[-3000:]
+    errors = [line for line in r.stdout.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: rank 0: Diverged: 5 consecutive non-finite steps "
+                                                     "(max_bad_steps=5) at step "), r.stdout[-3000:]
+    assert "Traceback (most recent call last)" in (tmp_path / "logs" / "rank_0.log").read_text()
+    saved = torch.load(tmp_path / "ckpt" / "model_interrupted.pt", weights_only=True)
+    assert all(torch.isfinite(v).all() for v in saved["model"].values())
+
+
 def test_a_nan_validation_loss_is_null_in_strict_json_and_no_improvement(tmp_path, no_launch_env):
     from ddp_training import COMPLETED_MARKER, lm_loss
 
@@ -632,13 +647,15 @@ def test_log_lines_count_epochs_from_one_as_the_epoch_files_do(tmp_path, no_laun
     """The records' epoch is the 0-based one the step ran in; the log's is 1-based, as model_epoch_N.pt is, with
     the run's number of epochs (a walk-through read "epoch 0 step 1/384" beside model_epoch_1.pt)."""
     cfg = {**QUICK, **dirs(tmp_path), "dataset_size": 128, "batch_size": 16, "max_steps": 12, "log_interval": 5,
-           "save_interval": 1}
+           "save_interval": 1, "val_interval": 0}
     DDPTrainer(config=cfg).train()
     log = (tmp_path / "logs" / "rank_0.log").read_text()
     assert re.findall(r"epoch (\S+) step (\d+)/12 ", log) == [("1/2", "1"), ("1/2", "5"), ("2/2", "10")]
     assert (tmp_path / "ckpt" / "model_epoch_1.pt").exists() and not (tmp_path / "ckpt" / "model_epoch_2.pt").exists()
     epochs = {r["step"]: r["epoch"] for r in metrics(tmp_path / "logs", "train")}
     assert (epochs[8], epochs[9]) == (0, 1)
+    # a validation at an epoch's end too: its val record said the next epoch (a user's exploratory test)
+    assert [(r["step"], r["epoch"]) for r in metrics(tmp_path / "logs", "val")] == [(8, 0), (12, 1)]
     assert "(step 12, epoch 2, 4 steps into the epoch)" in log
 
 
@@ -933,7 +950,11 @@ SCRIPT_RUN_CASES = (["--no_such_flag", "1"], ["--max_steps", "-3"], ["--cpu", "-
     (["--cpu", "--data", "."], "error: ValueError: --data .: is a directory"),
     (["--device", "cuda"], "error: ValueError: --device cuda: CUDA is not available here"),  # CUDA hidden below
     (["--cpu", "--test", "--tensorboard"], "--tensorboard needs the tensorboard package"),
-    (["--config", "dup.yaml"], "error: --config dup.yaml: the key(s) dropout appear more than once"),
+    # PyYAML's messages span lines: joined into one
+    (["--config", "dup.yaml"], 'error: --config dup.yaml: the key(s) dropout appear more than once in "dup.yaml", '
+                               'line 1, column 1'),
+    (["--config", "syntax.yaml"], "error: --config syntax.yaml: while parsing a flow node expected the node content, "
+                                  "but found '<stream end>' in \"syntax.yaml\", line 2, column 1"),
     (["--dropout", "1.5"], "config key 'dropout' must be in [0, 1), got 1.5"),
     # from a review of the CLI: each failed later, mid-run or with no flag named, or trained on the default
     (["--bucket_cap_mb", "abc"], "argument --bucket_cap_mb: invalid float (or none) value: 'abc'"),
@@ -958,6 +979,7 @@ def test_cli_bad_input_exits_2_with_a_clear_message(tmp_path, argv, message):
     (tmp_path / "bad.yaml").write_text("bogus_key: 1\n")
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "dup.yaml").write_text("dropout: 0.1\nbatch_size: 8\ndropout: 0.2\n")
+    (tmp_path / "syntax.yaml").write_text("batch_size: [\n")
     (tmp_path / "latin1.yaml").write_bytes("run_name: caf\u00e9\n".encode("latin-1"))
     (tmp_path / "runs" / "linked").mkdir(parents=True)
     (tmp_path / "runs" / "linked" / "checkpoints").symlink_to(tmp_path / "empty.txt" / "ck")
