@@ -313,7 +313,12 @@ def _group_store(rank: int, world_size: int, timeout: datetime.timedelta):
 class Failed(RuntimeError):
     """A failure whose message already says what failed, where and (from the peers) why: a script ends with
     that one `error:` line and exit 1 (see failed), instead of Python's traceback of the kit's own frames,
-    which goes to rank_N.log."""
+    which goes to rank_N.log. `agreed`: every rank raises this same message (a decision they took together),
+    so rank 0's line says it for all."""
+
+    def __init__(self, *args, agreed: bool = False):
+        super().__init__(*args)
+        self.agreed = agreed
 
     def line(self, rank: int) -> str:
         return f"rank {rank}: {type(self).__name__}: {self}"
@@ -530,12 +535,14 @@ def refuse(message: str, show: bool = True) -> int:
 
 def failed(exc: Failed, rank: int) -> int:
     """A failure that is no bad input (ranks that did not meet, a step that failed, a peer lost): one `error:`
-    line on stderr from each rank that saw it, as each names what it saw (the traceback is in its rank_N.log),
+    line on stderr from each rank that saw it, as each names what it saw (rank 0 alone where they agreed; the
+    traceback is in its rank_N.log),
     and exit 1 as any failure. torchrun's failure summary shows it too (not marked as a refusal: the launcher
     keeps exit 1)."""
     message = f"error: {exc.line(rank)}"
     note_for_torchrun(message, refused=False)
-    print(message, file=sys.stderr, flush=True)
+    if rank == 0 or not exc.agreed:
+        print(message, file=sys.stderr, flush=True)
     return EXIT_FAILURE
 
 

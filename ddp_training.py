@@ -998,7 +998,7 @@ def evaluate_model(model: nn.Module, loader, loss_fn: LossFn, device: torch.devi
     reports = rt.gather_objects((sorted(extras), error))
     failed = [f"rank {r}: {e}" for r, (_, e) in enumerate(reports) if e]
     if failed:
-        raise EvaluationFailed("evaluation failed on " + "; ".join(failed)) from failure
+        raise EvaluationFailed("evaluation failed on " + "; ".join(failed), agreed=True) from failure
     # A rank whose shard is empty saw no extras; every rank must pack the same names.
     names = sorted(set().union(*(n for n, _ in reports)))
     check_extra_names(names, ("loss", "count"), "evaluate()'s result")  # the same names on every rank: all raise alike
@@ -1742,7 +1742,7 @@ class DDPTrainer:
             self._save_last_good()
         except Exception as exc:
             self.log.error("could not save the last good weights: %s: %s", type(exc).__name__, exc)
-        raise StepFailed(text)
+        raise StepFailed(text, agreed=True)
 
     def _explain_failure(self, exc: Exception, where: Optional[str] = None) -> StepFailed:
         """A collective failed (peer exited or timed out): name the rank and its error where
@@ -2617,7 +2617,7 @@ class DDPTrainer:
             error, text = ((Diverged, f"{n} consecutive non-finite steps") if r["nonfinite"] else
                            (StepFailed, f"{n} consecutive skipped steps, the last with {what}"))
             raise error(f"{text} (max_bad_steps={cfg.max_bad_steps}) at step {self.global_step}; last good weights "
-                        f"saved to {self.checkpoint_path('interrupted')}")
+                        f"saved to {self.checkpoint_path('interrupted')}", agreed=True)
 
     def _write_resolved_config(self) -> None:
         import yaml

@@ -560,12 +560,15 @@ def test_nonfinite_loss_skips_the_step_and_gives_up_after_max_bad_steps(tmp_path
     assert saved["global_step"] == 13 and all(torch.isfinite(v).all() for v in saved["model"].values())
 
 
-def test_a_diverged_script_run_ends_with_one_line_and_the_last_good_weights(tmp_path):
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_a_diverged_script_run_ends_with_one_line_and_the_last_good_weights(tmp_path, nproc):
     """A run that diverges (here: a learning rate of 1e6) stops with Diverged, a FloatingPointError. The script
     printed it as a Python traceback through the trainer's frames, as if it were a bug (a user's exploratory
-    test); it is one line now, the traceback in rank_0.log."""
+    test); it is one line now, the traceback in rank_0.log, and rank 0's alone where the ranks decided it
+    together."""
     r = run([sys.executable, REPO / "ddp_training.py", "--cpu", "--test", "--lr", "1e6", "--grad_clip", "0",
-             "--warmup_steps", "0", "--val_interval", "0", "--log_dir", "logs", "--checkpoint_dir", "ckpt"], tmp_path)
+             "--warmup_steps", "0", "--val_interval", "0", "--log_dir", "logs", "--checkpoint_dir", "ckpt",
+             "--nproc", nproc], tmp_path)
     assert r.returncode == 1 and "Traceback" not in r.stdout, r.stdout[-3000:]
     errors = [line for line in r.stdout.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith("error: rank 0: Diverged: 5 consecutive non-finite steps "
