@@ -625,14 +625,15 @@ def test_repeated_ctrl_c_reaches_torchrun_once(tmp_path):
 @pytest.mark.multi
 def test_two_nodes_with_max_restarts_recover_from_a_killed_worker(tmp_path):
     """Two "nodes" on this host, one CPU process each, sharing the run dirs as nodes share a file system. A
-    worker killed outright: both nodes' agents restart their workers, which resume from the newest state."""
+    worker killed outright: both nodes' agents restart their workers, which resume from the newest state. A
+    restart to spare for a port race (see test_resume's test_sigkill_a_worker_under_max_restarts_...)."""
     port = free_ports(1)[0]
     env = clean_env(PYTHON=sys.executable, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
                     OMP_NUM_THREADS=1)
 
     def node(rank):
         return ["bash", LAUNCHER, "--cpu", "--nproc", "1", "--nnodes", "2", "--node-rank", str(rank),
-                "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-restarts", "1", "-l", "logs",
+                "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-restarts", "2", "-l", "logs",
                 "-c", "ckpt", "--", "--test", "--max_steps", "120", "--val_interval", "0", "--save_every_iters",
                 "20", "--log_interval", "1", "--dist_timeout", "60"]
 

@@ -722,7 +722,9 @@ def reference_torchrun(tmp_path_factory):
 
 @pytest.mark.multi
 def test_sigkill_a_worker_under_max_restarts_finishes_bit_identical(tmp_path, reference_torchrun):
-    with start(torchrun(2, "ddp_training.py", *LONG, extra=["--max-restarts=1"]), tmp_path, restarts=True) as agent:
+    # a restart to spare: the workers' own store takes the port the agent found free, seconds later, and another
+    # test's connection may have taken it meanwhile (EADDRINUSE, a failed start torchrun restarts)
+    with start(torchrun(2, "ddp_training.py", *LONG, extra=["--max-restarts=2"]), tmp_path, restarts=True) as agent:
         wait_for_step(tmp_path / "logs" / "metrics.jsonl", 35)
         torchrun_workers(agent)[1].kill()  # SIGKILL: no handler runs, no checkpoint is written
         out, _ = agent.communicate(timeout=180)
