@@ -843,10 +843,16 @@ class StepTally:
     def add(self, s: torch.Tensor, c, extras: dict) -> None:
         """`c` is a tensor or a Python number: a number is added as a kernel argument, without copying it to
         the device (on a GPU a blocking copy would wait for every queued kernel)."""
-        finite = torch.isfinite(s)
+        # a non-finite count (a NaN weight) leaves the loss sum / count of the step non-finite too: skipped alike
+        if torch.is_tensor(c):
+            c = c.double()
+            finite = torch.isfinite(s) & torch.isfinite(c)
+            self.count += torch.where(finite, c, 0.0)
+        else:
+            finite = torch.isfinite(s) & math.isfinite(c)
+            self.count += c if math.isfinite(c) else 0.0
         self.nonfinite = torch.maximum(self.nonfinite, (~finite).double())
         self.loss_sum += torch.where(finite, s.double(), 0.0)
-        self.count += c.double() if torch.is_tensor(c) else c
         for name, v in extras.items():
             self.extras[name] = self.extras.get(name, 0.0) + torch.where(finite, v.double(), 0.0)
 
@@ -1001,14 +1007,17 @@ def evaluate_model(model: nn.Module, loader, loss_fn: LossFn, device: torch.devi
         raise EvaluationFailed("evaluation failed on " + "; ".join(failed), agreed=True) from failure
     # A rank whose shard is empty saw no extras; every rank must pack the same names.
     names = sorted(set().union(*(n for n, _ in reports)))
-    check_extra_names(names, ("loss", "count"), "evaluate()'s result")  # the same names on every rank: all raise alike
+    try:  # the same names on every rank: all raise alike, and a trainer saves the weights first
+        check_extra_names(names, ("loss", "count"), "evaluate()'s result")
+    except ValueError as exc:
+        raise EvaluationFailed(f"evaluation: {exc}", agreed=True) from exc
     zero = torch.zeros((), dtype=torch.float64, device=device)
     reduced = rt.all_reduce_tensor(torch.stack([total[0], total[1]] + [extras.get(n, zero) for n in names])
                                    ).tolist()
     n = reduced[1]
     if n == 0:  # the sets are checked not to be empty when a trainer is built
-        raise ValueError("evaluation: loss_fn returned a count of 0 over the whole set (no samples, or no item "
-                         "of theirs counted)")
+        raise EvaluationFailed("evaluation: loss_fn returned a count of 0 over the whole set (no samples, or no "
+                               "item of theirs counted)", agreed=True)
     return {"loss": reduced[0] / n, "count": n, **{k: v / n for k, v in zip(names, reduced[2:])}}
 
 
@@ -1465,6 +1474,10 @@ class DDPTrainer:
         grads, raw_norm = self._gradients(tally)
         g, names, raw_norm_value = self._agree(tally, raw_norm, data_errors, fatal, oom, stop_signal)
         count = g["count"]
+        if count < 0:  # the same sum on every rank: they stop together, before the update would minimise -loss
+            self._save_last_good()
+            raise StepFailed(f"step {self.global_step + 1}: loss_fn's counts add up to {count:g} over the ranks; a "
+                             f"count is a number of items or a sum of weights, never negative", agreed=True)
         # the rate this step uses (read before the scheduler moves it on), whether it is taken or skipped
         per = count or 1.0  # a count may be a sum of weights below 1; none (0) is a skipped step, below
         result = {"count": count, "loss": g["loss"] / per, "stop": g["stop"] > 0,

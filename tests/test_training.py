@@ -560,6 +560,57 @@ def test_nonfinite_loss_skips_the_step_and_gives_up_after_max_bad_steps(tmp_path
     assert saved["global_step"] == 13 and all(torch.isfinite(v).all() for v in saved["model"].values())
 
 
+@pytest.mark.parametrize("bad", ["nan tensor", "nan number", "inf tensor"])
+def test_a_non_finite_count_skips_the_step_and_never_reaches_the_weights(tmp_path, no_launch_env, bad):
+    """A NaN count (a sample weight that is NaN) was applied as a normal step: NaN weights from there on, and NaN
+    in the "last good" file that max_bad_steps then wrote; an inf count trained on zero gradients (a user's
+    exploratory test). It is a non-finite step like a NaN loss: skipped on every rank."""
+    from ddp_training import lm_loss
+    calls = {"n": 0}
+    value = float(bad.split()[0])
+
+    def poisoned(model, batch):
+        s, c = lm_loss(model, batch)
+        calls["n"] += model.training
+        if model.training and calls["n"] == 3:
+            return s, (torch.tensor(value) if bad.endswith("tensor") else value)
+        return s, c
+
+    data = _markov(QUICK)
+    model = CausalLM(64, 32, 2, 2, 32)
+    summary = DDPTrainer(config={**QUICK, **dirs(tmp_path), "max_steps": 6}, model=model, train_dataset=data.train,
+                         val_dataset=data.val, loss_fn=poisoned).train()
+    assert (summary["status"], summary["skipped_steps"]) == ("completed", 1)
+    assert [r["step"] for r in metrics(tmp_path / "logs", "train") if r["skipped"]] == [3]
+    assert all(torch.isfinite(p).all() for p in model.parameters()) and math.isfinite(summary["final_val_loss"])
+
+
+def test_a_negative_count_or_a_validation_that_counts_nothing_stops_with_the_weights_saved(tmp_path, no_launch_env):
+    """A negative count made the run minimise -loss; a validation whose loss_fn counted nothing raised a plain
+    ValueError and saved nothing, losing the steps since the last save (a user's exploratory test)."""
+    from ddp_training import EvaluationFailed, StepFailed, lm_loss
+    data = _markov(QUICK)
+
+    def negative_at_step_3(model, batch, calls={"n": 0}):
+        s, c = lm_loss(model, batch)
+        calls["n"] += model.training
+        return (s, -c) if model.training and calls["n"] == 3 else (s, c)
+
+    def counts_nothing_in_evaluation(model, batch):
+        s, c = lm_loss(model, batch)
+        return (s, c) if model.training else (s * 0, 0)
+
+    for name, loss_fn, error, message, step in (
+            ("neg", negative_at_step_3, StepFailed, r"step 3: loss_fn's counts add up to -\d+ over the ranks", 2),
+            ("val", counts_nothing_in_evaluation, EvaluationFailed, r"loss_fn returned a count of 0 over the whole", 3)):
+        t = DDPTrainer(config={**QUICK, **dirs(tmp_path / name), "max_steps": 6, "val_interval": 3},
+                       model=CausalLM(64, 32, 2, 2, 32), train_dataset=data.train, val_dataset=data.val, loss_fn=loss_fn)
+        with pytest.raises(error, match=message):
+            t.train()
+        saved = torch.load(tmp_path / name / "ckpt" / "model_interrupted.pt", weights_only=True)
+        assert saved["global_step"] == step and all(torch.isfinite(v).all() for v in saved["model"].values())
+
+
 @pytest.mark.parametrize("nproc", ["1", "2"])
 def test_a_diverged_script_run_ends_with_one_line_and_the_last_good_weights(tmp_path, nproc):
     """A run that diverges (here: a learning rate of 1e6) stops with Diverged, a FloatingPointError. The script
