@@ -1291,6 +1291,10 @@ class DDPTrainer:
         self.raw_model = model.to(env.device)
         # the step's gradient checks walk this list, not the module tree (~0.15 ms a step on a 12-layer model)
         self.named_params = list(self.raw_model.named_parameters())
+        # BatchNorm's running statistics, which a training forward moves: a skipped or failed step puts them back
+        self.running_stats = [b for m in self.raw_model.modules() if isinstance(m, nn.modules.batchnorm._NormBase)
+                              and m.track_running_stats for b in m.buffers(recurse=False)]
+        self.stats_before_step = [b.clone() for b in self.running_stats]
         self.set_train_mode = True  # every module to train mode at the next step (evaluation leaves eval mode)
         torch.manual_seed(cfg.seed + 1000 * env.rank)  # dropout etc. differ per rank from here on
         n_params = sum(p.numel() for p in model.parameters())
@@ -1470,11 +1474,14 @@ class DDPTrainer:
         if self.set_train_mode:  # a walk of every module (~0.2 ms): at the first step and after evaluation only
             self.model.train()
             self.set_train_mode = False
+        if self.running_stats:  # one multi-tensor copy, no host sync
+            torch._foreach_copy_(self.stats_before_step, self.running_stats)
         tally, data_errors, fatal, oom = self._accumulate(micro_batches)
         grads, raw_norm = self._gradients(tally)
         g, names, raw_norm_value = self._agree(tally, raw_norm, data_errors, fatal, oom, stop_signal)
         count = g["count"]
         if count < 0:  # the same sum on every rank: they stop together, before the update would minimise -loss
+            self._restore_running_stats()
             self._save_last_good()
             raise StepFailed(f"step {self.global_step + 1}: loss_fn's counts add up to {count:g} over the ranks; a "
                              f"count is a number of items or a sum of weights, never negative", agreed=True)
@@ -1488,6 +1495,8 @@ class DDPTrainer:
         nonfinite = (g["nonfinite"] > 0 or (g["bad_grads"] > 0 and self.scaler is None)) and not g["oom"]
         if g["oom"] or nonfinite or count == 0 or scaler_overflow:
             self.optimizer.zero_grad(set_to_none=True)
+            if g["oom"] or nonfinite or count == 0:  # a NaN batch's statistics would poison every evaluation
+                self._restore_running_stats()
             if self.scaler:
                 self.scaler.update()
             # nothing counted on any rank, though every batch loaded (failed loads are max_errors_per_epoch's)
@@ -1601,6 +1610,11 @@ class DDPTrainer:
         if g["data_errors"]:
             self._count_data_errors(int(g["data_errors"]))
         return g, names, raw_norm_value
+
+    def _restore_running_stats(self) -> None:
+        """BatchNorm's running statistics as they were before this step's forwards."""
+        if self.running_stats:
+            torch._foreach_copy_(self.running_stats, self.stats_before_step)
 
     def _apply_update(self, grads: list, raw_norm_value: float, count: float) -> float:
         """Scale the averaged gradients to the global mean and clip them; step. Returns the norm before
@@ -1751,6 +1765,7 @@ class DDPTrainer:
             text += (" -- the model's forward left these parameters unused; set find_unused_parameters=true "
                      "(--find_unused_parameters true) or make every parameter take part in the loss")
         self.log.error(text)
+        self._restore_running_stats()  # the weights file holds the model as before the failed step
         try:  # a failed write reaches every rank alike (the writer's flush): all go on to raise the cause
             self._save_last_good()
         except Exception as exc:

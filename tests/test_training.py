@@ -27,6 +27,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
+import torch.nn as nn
 
 from conftest import REPO, background, clean_env, make_vj2_data, metrics, run, torchrun, torchrun_workers, wait_for_step
 from dist_helpers import free_ports, run_script_forked, spawn
@@ -583,6 +584,29 @@ def test_a_non_finite_count_skips_the_step_and_never_reaches_the_weights(tmp_pat
     assert (summary["status"], summary["skipped_steps"]) == ("completed", 1)
     assert [r["step"] for r in metrics(tmp_path / "logs", "train") if r["skipped"]] == [3]
     assert all(torch.isfinite(p).all() for p in model.parameters()) and math.isfinite(summary["final_val_loss"])
+
+
+def test_a_skipped_step_leaves_batchnorms_running_statistics_as_they_were(tmp_path, no_launch_env):
+    """A sample with a NaN feature skipped its step, but the training forward had already moved BatchNorm's
+    running statistics to NaN: every later validation was NaN, and the run still said completed (a user's
+    exploratory test)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=gen)
+    y = x.sum(1, keepdim=True)
+    x[5, 3] = float("nan")  # in the first epoch's batches: the sampler shuffles, so some step meets it
+    train = torch.utils.data.TensorDataset(x, y)
+    val = torch.utils.data.TensorDataset(torch.randn(16, 8, generator=gen), torch.zeros(16, 1))
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+
+    def mse(model, batch):
+        inputs, targets = batch
+        return ((model(inputs) - targets) ** 2).sum(), len(inputs)
+
+    cfg = {**dirs(tmp_path), "batch_size": 8, "max_steps": 16, "val_interval": 4, "device": "cpu", "warmup_steps": 0}
+    summary = DDPTrainer(config=cfg, model=model, train_dataset=train, val_dataset=val, loss_fn=mse).train()
+    assert summary["status"] == "completed" and summary["skipped_steps"] == 2  # once in each of the 2 epochs
+    assert all(torch.isfinite(b).all() for b in model.buffers())
+    assert all(math.isfinite(r["val_loss"]) for r in metrics(tmp_path / "logs", "val"))
 
 
 def test_a_negative_count_or_a_validation_that_counts_nothing_stops_with_the_weights_saved(tmp_path, no_launch_env):
