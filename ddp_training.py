@@ -688,6 +688,9 @@ def check_extra_names(names, reserved, whose: str, prefix: Optional[str] = None)
 def check_plain(name: str, value, where: str) -> None:
     """A value that must compare with == and load with weights_only=True: None, bool, int, float, str, and
     lists, tuples and dicts of them (keys of the same plain kinds)."""
+    if type(value) is float and math.isnan(value):
+        raise TypeError(f"{where}: {name} is nan, which equals nothing, itself included: no resume would match it; "
+                        f"expected a number, or None")
     if value is None or type(value) in (bool, int, float, str):
         return
     if type(value) in (list, tuple):
@@ -1173,6 +1176,9 @@ class DDPTrainer:
         self.train_dataset = train_dataset  # the loader may wrap it (per-sample seeds in workers)
         self._check_ranks_have_the_same_data(train_dataset, val_dataset, test_dataset)
         self._set_loss(loss_fn, count_unit, builtin_data)
+        if not isinstance(weights_key, str) or weights_key in ("global_step", "val_loss", "model_config"):
+            raise ValueError(f"weights_key {weights_key!r}: a checkpoint's own fields are global_step, val_loss (and "
+                             f"model_config for the built-in LM); expected another name (a string) for the weights")
         own = {weights_key, "global_step", "val_loss"} | ({"model_config"} if builtin_data else set())
         taken = sorted(own & set(user_extra or {}))
         if taken:
@@ -2013,7 +2019,8 @@ class DDPTrainer:
         if self.global_step > self.total_steps:
             self.log.warning("the state is past this run's length (%d steps: max_steps or num_epochs): nothing "
                              "to train; the run ends at step %d", self.total_steps, self.global_step)
-        if isinstance(self.train_dataset, torch.utils.data.IterableDataset) and self.step_in_epoch:
+        # at an epoch's end too: a stream's epoch may have been cut at max_steps, and a longer run reads on
+        if isinstance(self.train_dataset, torch.utils.data.IterableDataset) and self.global_step:
             self.log.warning("the training set is a stream, which cannot be read from a position: the resumed run "
                              "reads it from its start, not from where step %d left it (exact resume is for "
                              "map-style datasets)", self.global_step)

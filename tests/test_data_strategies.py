@@ -108,6 +108,12 @@ def test_a_resumed_stream_says_it_starts_again_from_its_first_sample(tmp_path, n
     assert ("the training set is a stream, which cannot be read from a position: the resumed run reads it from "
             "its start, not from where step 2 left it") in (tmp_path / "rank_0.log").read_text()
 
+    # at the end of an epoch too: with max_steps the stream's "epoch" ends there, and a longer run read it again
+    # from its start without a word (a user's exploratory test)
+    DDPTrainer(config={**cfg, "max_steps": 7}, model=CausalLM(64, 32, 1, 2, 16),
+               train_dataset=stream(data.train, 160), val_dataset=data.val).train()
+    assert ("reads it from its start, not from where step 5 left it") in (tmp_path / "rank_0.log").read_text()
+
 
 def test_an_iterable_training_set_needs_dispatch(tmp_path, no_launch_env):
     data = synthetic_lm_data(TrainConfig.from_dict(CFG))

@@ -841,10 +841,17 @@ def test_names_and_values_that_would_replace_or_lose_what_the_kit_saves_are_refu
     an extra named "loss" the validation loss that early stopping and the best checkpoint read (both without
     a word); a numpy number in resume_must_match made every state fail to resume (weights_only), and a tensor
     there failed the comparison; a numpy array in checkpoint_extra made the weights files unloadable."""
-    from ddp_training import StepFailed, evaluate_model, lm_loss
+    from ddp_training import EvaluationFailed, StepFailed, evaluate_model, lm_loss
     data = _markov(QUICK)
     cfg = {**QUICK, **dirs(tmp_path), "max_steps": 2, "val_interval": 0}
     custom = dict(model=CausalLM(64, 32, 2, 2, 32), train_dataset=data.train, val_dataset=data.val)
+    # a weights_key that is a checkpoint's own field saved the step (or the val loss) in place of the weights
+    for key in ("global_step", "val_loss"):
+        with pytest.raises(ValueError, match=rf"weights_key '{key}': a checkpoint's own fields are global_step"):
+            DDPTrainer(config=cfg, weights_key=key, **custom)
+    # NaN equals nothing, itself included: every rank "differed" and no state resumed (a user's exploratory test)
+    with pytest.raises(TypeError, match=r"resume_must_match: 'p' is nan, which equals nothing"):
+        DDPTrainer(config=cfg, resume_must_match={"p": float("nan")}, **custom)
     with pytest.raises(ValueError, match=r"checkpoint_extra: the keys \['global_step', 'model'\] are the checkpoint's own"):
         DDPTrainer(config=cfg, checkpoint_extra={"model": "mlp-8-16-3", "global_step": "n/a", "arch": "mlp"}, **custom)
     with pytest.raises(TypeError, match=r"checkpoint_extra: the value of 'classes' \(ndarray\) would not save and load"):
@@ -872,7 +879,9 @@ def test_names_and_values_that_would_replace_or_lose_what_the_kit_saves_are_refu
                                          r"record's; rename them"):
         DDPTrainer(config={**cfg, **dirs(tmp_path / "val")}, loss_fn=read_as_others, **custom).train()
     loader = torch.utils.data.DataLoader(data.val, batch_size=16)
-    with pytest.raises(ValueError, match=r"extras \['loss'\]: evaluate\(\)'s result has fields of these names already \(count, loss\)"):
+    # every rank raises it alike, and a trainer's validation saves the last good weights first
+    with pytest.raises(EvaluationFailed, match=r"evaluation: loss_fn returned the extras \['loss'\]: evaluate\(\)'s "
+                                               r"result has fields of these names already \(count, loss\)"):
         evaluate_model(custom["model"], loader, with_extras, torch.device("cpu"))
     # what is allowed still saves and resumes: tensors in checkpoint_extra, plain values in resume_must_match
     run = {**cfg, **dirs(tmp_path / "ok")}
