@@ -1198,6 +1198,7 @@ class DDPTrainer:
         self._tb = None
         self._bar = None
         self.in_train = False
+        self.let_go = False  # train() or close() has released the run dirs, the logger and the process group
         self.ckpt_dir = Path(cfg.checkpoint_dir)
         wait_s = WRITE_WAIT_FRACTION * cfg.dist_timeout if env.is_distributed else None
         self.writer = rt.CheckpointWriter(cfg.async_checkpoint, self.log, pin=self.non_blocking, wait_s=wait_s)
@@ -2232,6 +2233,11 @@ class DDPTrainer:
         """Run to max_steps/num_epochs, early stop, or an agreed stop signal; returns a summary.
         `stop_signal`: one installed before the trainer was built (a signal during set-up then stops the
         run at its first step, with a save and the PREEMPTED marker); the caller restores it."""
+        if self.let_go:  # it would train without the run-dir lock, the log file or the process group
+            raise RuntimeError("DDPTrainer.train() runs once, and not after close(): the trainer has let go of its "
+                               "run dirs, log file and process group; build a new DDPTrainer to train again "
+                               "(resume='auto' continues this run)")
+        self.let_go = True
         self.in_train = True  # evaluate() keeps the loader workers for the next validation
         own_signal = stop_signal is None
         stop_signal = (stop_signal or rt.StopSignal()).install(rt.StopSignal.SIGNALS)
@@ -2277,8 +2283,9 @@ class DDPTrainer:
     def close(self) -> None:
         """For a trainer that will not train (built to evaluate, say): stop its loader workers and let go of its
         run dirs, which train() does when it ends."""
-        if self._metrics_file is None and self.env.is_main:  # never trained: training_logs reads this line
+        if self._metrics_file is None and self.env.is_main and not self.let_go:  # training_logs reads this line
             self.log.info(CLOSED_UNTRAINED)
+        self.let_go = True
         self._stop_loader_workers()
         self.run_lock.release()
 

@@ -586,6 +586,19 @@ def test_a_non_finite_count_skips_the_step_and_never_reaches_the_weights(tmp_pat
     assert all(torch.isfinite(p).all() for p in model.parameters()) and math.isfinite(summary["final_val_loss"])
 
 
+def test_train_runs_once_per_trainer(tmp_path, no_launch_env):
+    """A second train() (with resume none) ran without the run-dir lock, its log file or its process group, and
+    moved the first run's files aside (a user's exploratory test)."""
+    t = DDPTrainer(config={**QUICK, **dirs(tmp_path), "max_steps": 2, "resume": "none"})
+    assert t.train()["status"] == "completed"
+    closed = DDPTrainer(config={**QUICK, **dirs(tmp_path / "closed"), "max_steps": 2})
+    closed.close()
+    for trainer in (t, closed):
+        with pytest.raises(RuntimeError, match=r"train\(\) runs once, and not after close\(\)"):
+            trainer.train()
+    assert (tmp_path / "ckpt" / "model_final.pt").exists() and len(metrics(tmp_path / "logs", "train")) == 2
+
+
 def test_a_skipped_step_leaves_batchnorms_running_statistics_as_they_were(tmp_path, no_launch_env):
     """A sample with a NaN feature skipped its step, but the training forward had already moved BatchNorm's
     running statistics to NaN: every later validation was NaN, and the run still said completed (a user's
