@@ -1059,6 +1059,9 @@ class DDPTrainer:
         # --config); by default the resolved TrainConfig
         self.run_config = run_config
         # a user's dataset may be costly or random to read: its owner says what identifies it, if anything
+        if data_fingerprint is not None and not isinstance(data_fingerprint, str):
+            raise TypeError(f"data_fingerprint must be a string (a hash or a version of the data), got "
+                            f"{type(data_fingerprint).__name__} {data_fingerprint!r}")
         self.data_fingerprint = None if data_fingerprint is None else USER_FINGERPRINT + data_fingerprint
         # what else a resume must find unchanged, by name (the loss's definition, the validation set: the best
         # validation loss so far was measured with them)
@@ -1282,6 +1285,10 @@ class DDPTrainer:
         where lm_loss normalises by sample and so counts samples (the built-in data's windows all have
         seq_len targets; a user's may not)."""
         self.tokens_per_sample = None
+        if loss_fn is not None and self.cfg.loss_normalization != TrainConfig.loss_normalization:
+            self.log.warning("loss_normalization=%s is the default loss's (lm_loss) setting: your loss_fn "
+                             "normalises by the count it returns", self.cfg.loss_normalization)
+        self.default_loss = loss_fn is None and not builtin_data  # a custom model trained with lm_loss
         if loss_fn is None:
             norm = self.cfg.loss_normalization
             loss_fn = lambda m, b: lm_loss(m, b, norm)  # noqa: E731
@@ -1389,7 +1396,7 @@ class DDPTrainer:
         # what the records state: a stream's epoch ends when the stream does, whatever steps that takes
         self.known_steps_per_epoch = None if stream else self.steps_per_epoch
         if self.steps_per_epoch < 1:
-            raise ValueError(f"{batches_per_epoch} batches per epoch are fewer than "
+            raise ValueError(f"{batches_per_epoch} batch(es) per epoch, fewer than "
                              f"grad_accum_steps={cfg.grad_accum_steps}")
         self.total_steps = cfg.max_steps or cfg.num_epochs * self.steps_per_epoch
 
@@ -1561,7 +1568,9 @@ class DDPTrainer:
                     oom = True  # retried by every rank with smaller micro-batches
                     self.log.warning("out of memory in the forward of step %d", self.global_step + 1)
                 else:
-                    fatal = f"{type(exc).__name__} in {phase}: {exc}"
+                    fatal = f"{type(exc).__name__} in {phase}: {exc}" + (
+                        " (no loss_fn= was given: the default is lm_loss, for (tokens, targets) batches of a "
+                        "causal LM)" if self.default_loss else "")
                     self.log.error("step %d raised on this rank: %s", self.global_step + 1, traceback.format_exc())
                 # the failed forward's activations live as long as the frames of its traceback
                 traceback.clear_frames(exc.__traceback__)
@@ -1733,8 +1742,10 @@ class DDPTrainer:
         find_unused_parameters their bucket is left unreduced here while a peer that used them waits in its
         all-reduce: the next collective would meet it (gloo aborts the process, NCCL hangs). A zero gradient
         for each completes that all-reduce, so the step can fail on every rank at the agreement, named."""
-        if not self.env.is_distributed or self.cfg.find_unused_parameters:
+        if self.cfg.find_unused_parameters:
             return []
+        if not self.env.is_distributed:  # what DDP would refuse at scale-up, found on one process already
+            return [n for n, p in self.named_params if p.requires_grad and p.grad is None]
         try:
             self.model._check_reducer_finalized()  # one C++ call: every bucket was reduced
             return []

@@ -586,6 +586,39 @@ def test_a_non_finite_count_skips_the_step_and_never_reaches_the_weights(tmp_pat
     assert all(torch.isfinite(p).all() for p in model.parameters()) and math.isfinite(summary["final_val_loss"])
 
 
+def test_one_process_names_what_ddp_would_refuse_at_scale_up(tmp_path, no_launch_env):
+    """On one process a parameter the forward never used trained on, to fail only under DDP; a custom model
+    left to the default loss failed deep in it without naming loss_fn (a user's exploratory test)."""
+    from ddp_training import StepFailed
+    gen = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=gen), torch.randn(64, 1, generator=gen))
+
+    class WithAux(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.aux = nn.Linear(8, 1), nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.body(x)
+
+    def mse(model, batch):
+        return ((model(batch[0]) - batch[1]) ** 2).sum(), len(batch[0])
+
+    cfg = {**dirs(tmp_path), "batch_size": 8, "max_steps": 2, "val_interval": 0, "device": "cpu"}
+    with pytest.raises(StepFailed, match=r"step 1 failed on rank 0: parameters without gradients: aux.weight, "
+                                         r"aux.bias -- .* set find_unused_parameters=true"):
+        DDPTrainer(config=cfg, model=WithAux(), train_dataset=data, val_dataset=data, loss_fn=mse).train()
+    summary = DDPTrainer(config={**cfg, **dirs(tmp_path / "allowed"), "find_unused_parameters": True},
+                         model=WithAux(), train_dataset=data, val_dataset=data, loss_fn=mse).train()
+    assert summary["status"] == "completed"
+    with pytest.raises(StepFailed, match=r"in forward: .*\(no loss_fn= was given: the default is lm_loss"):
+        DDPTrainer(config={**cfg, **dirs(tmp_path / "lm_loss")}, model=nn.Linear(8, 1), train_dataset=data,
+                   val_dataset=data).train()
+    with pytest.raises(TypeError, match=r"data_fingerprint must be a string .*, got int 123"):
+        DDPTrainer(config={**cfg, **dirs(tmp_path / "fp")}, model=nn.Linear(8, 1), train_dataset=data,
+                   val_dataset=data, loss_fn=mse, data_fingerprint=123)
+
+
 def test_train_runs_once_per_trainer(tmp_path, no_launch_env):
     """A second train() (with resume none) ran without the run-dir lock, its log file or its process group, and
     moved the first run's files aside (a user's exploratory test)."""
