@@ -1876,12 +1876,18 @@ def why_not_loadable(path: Path, exc: Exception) -> str:
                 f"truncated, or another kind of file)")
     text = str(exc)
     if isinstance(exc, pickle.UnpicklingError) and text.startswith("Weights only load failed"):
-        # torch's first paragraph and its numbered options are the advice; what it refused comes after
-        said = [line.strip() for line in text.splitlines()[1:]
-                if line.strip() and not line.strip().startswith(("(1)", "(2)", "Check the documentation"))]
-        what = said[0].split("WeightsUnpickler error:")[-1].strip().split(". ")[0].rstrip(".") if said else ""
-        return f"cannot be loaded safely: it holds objects that weights_only=True refuses ({what or 'unnamed'})"
+        return (f"cannot be loaded safely: it holds objects that weights_only=True refuses "
+                f"({weights_only_refusal(text)})")
     return f"cannot be loaded: {type(exc).__name__}: {text.splitlines()[0] if text.strip() else 'the file ends early'}"
+
+
+def weights_only_refusal(text: str) -> str:
+    """What torch.load(weights_only=True) refused, from its error: without its first paragraph and numbered
+    options, which advise loading with weights_only=False (arbitrary code)."""
+    said = [line.strip() for line in text.splitlines()[1:]
+            if line.strip() and not line.strip().startswith(("(1)", "(2)", "Check the documentation"))]
+    what = said[0].split("WeightsUnpickler error:")[-1].strip().split(". ")[0].rstrip(".") if said else ""
+    return what or "unnamed"
 
 
 def remove_stale_temp_files(directory: str | os.PathLike, starts: tuple) -> list:

@@ -715,8 +715,11 @@ def check_loadable(extra: dict, where: str) -> None:
             buffer.seek(0)
             torch.load(buffer, weights_only=True)
         except Exception as exc:  # noqa: BLE001 -- which error says what weights_only refuses; named below
+            text = str(exc)
+            why = (rt.weights_only_refusal(text) if text.startswith("Weights only load failed")
+                   else (text.splitlines() or [type(exc).__name__])[0])
             raise TypeError(f"{where}: the value of {key!r} ({type(value).__name__}) would not save and load back with "
-                            f"torch.load(weights_only=True), as checkpoints are read: {str(exc).splitlines()[0]}; "
+                            f"torch.load(weights_only=True), as checkpoints are read: {why}; "
                             f"give tensors, numbers, strings, or lists and dicts of them") from None
 
 
@@ -1574,7 +1577,9 @@ class DDPTrainer:
                     self.log.error("step %d raised on this rank: %s", self.global_step + 1, traceback.format_exc())
                 # the failed forward's activations live as long as the frames of its traceback
                 traceback.clear_frames(exc.__traceback__)
-            if fatal and not self.env.is_distributed:  # a replay would only fail again (a bug in loss_fn)
+            # one process keeps no collectives: no replay, which would only fail again (a bug in loss_fn), or
+            # out of memory again where the spare cannot be cut smaller (the retry then names why)
+            if (fatal or oom) and not self.env.is_distributed:
                 break
             # replayed outside the except block, whose exception would keep them: out of memory, they are the
             # memory the replay needs
@@ -1607,7 +1612,9 @@ class DDPTrainer:
         """The step's one all-reduce: every rank's counts, flags and extras, summed. A failure on any rank
         raises on every rank here. Returns (the sums by name, StepTally.FIELDS and the flags', with `extras`;
         the extras' names; this rank's gradient norm), read on the host together."""
-        unused = self._unused_parameters()
+        # one process stops a lost step before its backward (see _accumulate): no gradients say nothing then
+        lost = (fatal is not None or oom) and not self.env.is_distributed
+        unused = [] if lost else self._unused_parameters()
         names = self._extra_names(tally.names)
         if tally.names != names and fatal is None:  # the all-reduce below packs `names`, the same on every rank
             fatal = (f"loss_fn returned the extras {tally.names} at step {self.global_step + 1}, but {names} at "

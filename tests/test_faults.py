@@ -1352,6 +1352,17 @@ def test_out_of_memory_with_a_count_for_the_whole_batch_stops_instead_of_halving
         trainer.train()
     assert_last_good_weights(tmp_path, 1)
 
+    # out of memory for good at that size (as a real one is): the replay of the whole spare failed again first,
+    # and the run ended in StepAbandoned without the reason (a user's exploratory test); one process replays none
+    def always_above_2(model, batch):
+        if model.training and len(batch["x"]) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated, for good)")
+        return CountedLoss()(model, batch)
+    trainer = DDPTrainer(config=cfg_for(tmp_path / "again", batch_size=4, max_steps=4), model=bn_model(),
+                         train_dataset=IdsAndFeatures(32), loss_fn=always_above_2, collate_fn=with_count(int))
+    with pytest.raises(StepFailed, match=r"step 1: out of memory, and its micro-batches cannot be split"):
+        trainer.train()
+
 
 def _out_of_memory_beside_a_failed_batch(rank, world_size, root):
     cfg = cfg_for(root, batch_size=4, max_steps=4, dist_timeout=20, max_errors_per_epoch=4)
