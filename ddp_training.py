@@ -854,9 +854,9 @@ class StepTally:
             c = c.double()
             finite = torch.isfinite(s) & torch.isfinite(c)
             self.count += torch.where(finite, c, 0.0)
-        else:
+        else:  # times 0 or 1: not rounded, and no copy to the device
             finite = torch.isfinite(s) & math.isfinite(c)
-            self.count += c if math.isfinite(c) else 0.0
+            self.count += c * finite.double() if math.isfinite(c) else 0.0
         self.nonfinite = torch.maximum(self.nonfinite, (~finite).double())
         self.loss_sum += torch.where(finite, s.double(), 0.0)
         for name, v in extras.items():
@@ -1320,6 +1320,7 @@ class DDPTrainer:
             self.log.info("data: %s", self.data_info)
         trained = torch.compile(model) if cfg.compile else model  # shares the parameters of `model`
         self.model, self.static_graph = trained, False
+        self.would_be_static = use_static_graph(model, cfg)  # under DDP; one process checks unused parameters by it
         if not env.is_distributed:
             return
         self.static_graph = use_static_graph(model, cfg)
@@ -1612,11 +1613,15 @@ class DDPTrainer:
         """The step's one all-reduce: every rank's counts, flags and extras, summed. A failure on any rank
         raises on every rank here. Returns (the sums by name, StepTally.FIELDS and the flags', with `extras`;
         the extras' names; this rank's gradient norm), read on the host together."""
-        # one process stops a lost step before its backward (see _accumulate): no gradients say nothing then
+        # one process stops a lost step before its backward, and before some of its micro-batches (see
+        # _accumulate): no gradients, or extras it did not reach, say nothing then
         lost = (fatal is not None or oom) and not self.env.is_distributed
         unused = [] if lost else self._unused_parameters()
-        names = self._extra_names(tally.names)
-        if tally.names != names and fatal is None:  # the all-reduce below packs `names`, the same on every rank
+        if lost:
+            names = tally.names if self.extra_names is None else self.extra_names
+        else:
+            names = self._extra_names(tally.names)
+        if tally.names != names and fatal is None and not lost:  # the all-reduce packs `names`, alike on every rank
             fatal = (f"loss_fn returned the extras {tally.names} at step {self.global_step + 1}, but {names} at "
                      f"the first step; every rank and step must return the same names")
         flags = {"stop": stop_signal.received is not None, "data_errors": data_errors, "fatal": fatal is not None,
@@ -1752,6 +1757,8 @@ class DDPTrainer:
         if self.cfg.find_unused_parameters:
             return []
         if not self.env.is_distributed:  # what DDP would refuse at scale-up, found on one process already
+            if self.would_be_static:  # DDP's static graph takes a fixed set of unused parameters
+                return []
             return [n for n, p in self.named_params if p.requires_grad and p.grad is None]
         try:
             self.model._check_reducer_finalized()  # one C++ call: every bucket was reduced
@@ -2481,10 +2488,12 @@ class DDPTrainer:
             raise
         except StepAbandoned as exc:  # the marker first: the others wait for it while the weights are saved
             rt.write_failure_marker(cfg.log_dir, self.env.rank, self.global_step + 1, exc)
+            self._restore_running_stats()  # the failed step's forwards moved them
             self._save_weights_here()
             raise
         except Exception as exc:
             if is_collective_error(exc):  # a peer died or hung: say which and where, then fail
+                self._restore_running_stats()
                 self._save_weights_here()
                 raise self._explain_failure(exc) from exc
             # this rank's own error past the step's agreement (in optimizer.step, say): the marker names it

@@ -398,7 +398,6 @@ def is_zombie(pid: int) -> bool:
     except OSError:
         return False
     return stat[stat.rfind(")") + 2:].startswith(("Z", "X"))
-    return None
 
 
 def first_error(log: Path) -> Optional[str]:

@@ -614,6 +614,24 @@ def test_one_process_names_what_ddp_would_refuse_at_scale_up(tmp_path, no_launch
     with pytest.raises(StepFailed, match=r"in forward: .*\(no loss_fn= was given: the default is lm_loss"):
         DDPTrainer(config={**cfg, **dirs(tmp_path / "lm_loss")}, model=nn.Linear(8, 1), train_dataset=data,
                    val_dataset=data).train()
+    # what DDP does take at scale-up, one process takes too: a fixed set of unused parameters under a static graph
+    class StaticWithAux(WithAux):
+        static_graph = True
+    summary = DDPTrainer(config={**cfg, **dirs(tmp_path / "static")}, model=StaticWithAux(), train_dataset=data,
+                         val_dataset=data, loss_fn=mse).train()
+    assert summary["status"] == "completed"
+
+    # out of memory in the first step's first micro-batch, with extras: one process retries without a replay,
+    # and the extras agreed at that lost step were none, which failed the retry (a review of this change)
+    def mse_with_extras(model, batch):
+        if model.training and len(batch[0]) > 4:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        s, n = mse(model, batch)
+        return s, n, {"abs": (model(batch[0]) - batch[1]).abs().sum().detach()}
+    summary = DDPTrainer(config={**cfg, **dirs(tmp_path / "oom")}, model=nn.Linear(8, 1), train_dataset=data,
+                         val_dataset=data, loss_fn=mse_with_extras).train()
+    assert summary["status"] == "completed" and summary["steps"] == 2
+    assert all("abs" in r for r in metrics(tmp_path / "oom" / "logs", "train"))
     with pytest.raises(TypeError, match=r"data_fingerprint must be a string .*, got int 123"):
         DDPTrainer(config={**cfg, **dirs(tmp_path / "fp")}, model=nn.Linear(8, 1), train_dataset=data,
                    val_dataset=data, loss_fn=mse, data_fingerprint=123)
