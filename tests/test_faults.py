@@ -1033,7 +1033,10 @@ class KillsItsWorker(torch.utils.data.Dataset):
 def _worker_crash(rank, world_size, root):
     data = synthetic_lm_data(TrainConfig.from_dict(CFG))
     try:
-        DDPTrainer(rank=rank, world_size=world_size, config=cfg_for(root, num_workers=1, max_steps=40),
+        # loader_timeout under dist_timeout: where DataLoader's SIGCHLD watch misses the death (seen once in CI,
+        # rank 1 still waiting when rank 0's 60 s ran out), its own check after the timeout names it in time
+        DDPTrainer(rank=rank, world_size=world_size,
+                   config=cfg_for(root, num_workers=1, max_steps=40, loader_timeout=10),
                    model=CausalLM(64, 32, 1, 2, 16), train_dataset=KillsItsWorker(data.train, rank),
                    val_dataset=data.val).train()
         return "completed"
