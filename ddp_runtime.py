@@ -536,9 +536,8 @@ def refuse(message: str, show: bool = True) -> int:
 def failed(exc: Failed, rank: int) -> int:
     """A failure that is no bad input (ranks that did not meet, a step that failed, a peer lost): one `error:`
     line on stderr from each rank that saw it, as each names what it saw (rank 0 alone where they agreed; the
-    traceback is in its rank_N.log),
-    and exit 1 as any failure. torchrun's failure summary shows it too (not marked as a refusal: the launcher
-    keeps exit 1)."""
+    traceback is in its rank_N.log), and exit 1 as any failure. torchrun's failure summary shows it too (not
+    marked as a refusal: the launcher keeps exit 1)."""
     message = f"error: {exc.line(rank)}"
     note_for_torchrun(message, refused=False)
     if rank == 0 or not exc.agreed:

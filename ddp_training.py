@@ -845,6 +845,7 @@ class StepTally:
         self.loss_sum, self.count, self.nonfinite, self.bad_grads = (
             torch.zeros((), device=device, dtype=torch.float64) for _ in range(4))
         self.extras: dict = {}
+        self.missing: list = []  # names of the parameters without a gradient (DDPTrainer._gradients)
 
     def add(self, s: torch.Tensor, c, extras: dict) -> None:
         """`c` is a tensor or a Python number: a number is added as a kernel argument, without copying it to
@@ -1319,11 +1320,10 @@ class DDPTrainer:
         if self.data_info:
             self.log.info("data: %s", self.data_info)
         trained = torch.compile(model) if cfg.compile else model  # shares the parameters of `model`
-        self.model, self.static_graph = trained, False
-        self.would_be_static = use_static_graph(model, cfg)  # under DDP; one process checks unused parameters by it
+        # DDP's, where there is DDP; one process checks unused parameters by it too
+        self.model, self.static_graph = trained, use_static_graph(model, cfg)
         if not env.is_distributed:
             return
-        self.static_graph = use_static_graph(model, cfg)
         self.log.info("DDP static_graph=%s", self.static_graph)
         if self.static_graph and cfg.grad_accum_steps > 1:
             self.log.warning("static_graph with grad_accum_steps=%d: a resumed run matches an "
@@ -1499,10 +1499,8 @@ class DDPTrainer:
         g, names, raw_norm_value = self._agree(tally, raw_norm, data_errors, fatal, oom, stop_signal)
         count = g["count"]
         if count < 0:  # the same sum on every rank: they stop together, before the update would minimise -loss
-            self._restore_running_stats()
-            self._save_last_good()
-            raise StepFailed(f"step {self.global_step + 1}: loss_fn's counts add up to {count:g} over the ranks; a "
-                             f"count is a number of items or a sum of weights, never negative", agreed=True)
+            self._stop_together(f"step {self.global_step + 1}: loss_fn's counts add up to {count:g} over the ranks; "
+                                f"a count is a number of items or a sum of weights, never negative")
         # the rate this step uses (read before the scheduler moves it on), whether it is taken or skipped
         per = count or 1.0  # a count may be a sum of weights below 1; none (0) is a skipped step, below
         result = {"count": count, "loss": g["loss"] / per, "stop": g["stop"] > 0,
@@ -1600,8 +1598,10 @@ class DDPTrainer:
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         # each .grad read is a trip into C++: read them once (the same tensors until zero_grad)
-        grads = [p.grad for _, p in self.named_params]
-        grads = [g for g in grads if g is not None]
+        every = [p.grad for _, p in self.named_params]
+        grads = [g for g in every if g is not None]
+        # what one process checks for unused parameters (see _unused_parameters)
+        tally.missing = [n for (n, p), g in zip(self.named_params, every) if g is None and p.requires_grad]
         raw_norm = torch.nn.utils.get_total_norm(grads).double()
         # agreed through the all-reduce, not read from each rank's norm: gradients DDP does not average
         # (parameters it ignores) may differ between ranks
@@ -1616,7 +1616,7 @@ class DDPTrainer:
         # one process stops a lost step before its backward, and before some of its micro-batches (see
         # _accumulate): no gradients, or extras it did not reach, say nothing then
         lost = (fatal is not None or oom) and not self.env.is_distributed
-        unused = [] if lost else self._unused_parameters()
+        unused = [] if lost else self._unused_parameters(tally)
         if lost:
             names = tally.names if self.extra_names is None else self.extra_names
         else:
@@ -1749,7 +1749,7 @@ class DDPTrainer:
             self.spare_batch = self.train_loader.collate_fn(samples)
         return self.spare_batch
 
-    def _unused_parameters(self) -> list:
+    def _unused_parameters(self, tally: "StepTally") -> list:
         """Parameters that got no gradient in this step's synced backward on this rank. Under DDP without
         find_unused_parameters their bucket is left unreduced here while a peer that used them waits in its
         all-reduce: the next collective would meet it (gloo aborts the process, NCCL hangs). A zero gradient
@@ -1757,9 +1757,7 @@ class DDPTrainer:
         if self.cfg.find_unused_parameters:
             return []
         if not self.env.is_distributed:  # what DDP would refuse at scale-up, found on one process already
-            if self.would_be_static:  # DDP's static graph takes a fixed set of unused parameters
-                return []
-            return [n for n, p in self.named_params if p.requires_grad and p.grad is None]
+            return [] if self.static_graph else tally.missing  # a static graph may leave a fixed set unused
         try:
             self.model._check_reducer_finalized()  # one C++ call: every bucket was reduced
             return []
@@ -1796,8 +1794,13 @@ class DDPTrainer:
         if any("parameters without gradients" in line for line in lines):
             text += (" -- the model's forward left these parameters unused; set find_unused_parameters=true "
                      "(--find_unused_parameters true) or make every parameter take part in the loss")
+        self._stop_together(text)
+
+    def _stop_together(self, text: str) -> None:
+        """A step failure every rank knows alike: the model as before the step (BatchNorm's statistics too) goes
+        to <prefix>_interrupted.pt, then every rank raises the same StepFailed."""
         self.log.error(text)
-        self._restore_running_stats()  # the weights file holds the model as before the failed step
+        self._restore_running_stats()
         try:  # a failed write reaches every rank alike (the writer's flush): all go on to raise the cause
             self._save_last_good()
         except Exception as exc:

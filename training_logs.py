@@ -264,8 +264,9 @@ def epoch_bounds(records: list) -> tuple:
 
     Steps count from 1 over the whole run. A train record carries the epoch its step ran in, so
     e*n < s <= (e+1)*n. A summary record written after an epoch's last step already carries the next epoch, as
-    did val records there before 27 Nov 2026, so for those only e*n <= s <= (e+1)*n holds. A run of one epoch or less never crosses a boundary
-    inside its train records; its closing validation or summary ("epochs": 1) is then what pins n down.
+    did val records there before 27 Nov 2026, so for those only e*n <= s <= (e+1)*n holds. A run of one epoch or
+    less never crosses a boundary inside its train records; its closing validation or summary ("epochs": 1) is
+    then what pins n down.
     """
     lo, hi = 1, math.inf
     for rec in records:
