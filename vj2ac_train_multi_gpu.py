@@ -33,8 +33,10 @@ import json
 import logging
 import math
 import numbers
+import sys
 from contextlib import contextmanager
 from functools import partial
+from typing import Optional
 
 import numpy as np
 import torch
@@ -44,8 +46,8 @@ from torch.utils.data import Dataset
 
 import config
 import ddp_runtime as rt
-from ddp_training import (MAX_TIMEOUT_S, BadInput, DataMismatch, DDPTrainer, RunDirInUse, TrainConfig,
-                          add_config_flags, epochs_rule, evaluate_model, load_yaml_mapping, train_preemptible)
+from ddp_training import (MAX_TIMEOUT_S, BadInput, DataMismatch, DDPTrainer, EvaluationFailed, RunDirInUse,
+                          TrainConfig, add_config_flags, epochs_rule, evaluate_model, load_yaml_mapping, train_preemptible)
 from vj2_dataloader import VJ2TrajectoryDataset, data_fingerprint, list_files
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -592,6 +594,16 @@ def load_predictor(path):
     return predictor, horizon, geometry
 
 
+def _console_log(args) -> Optional[logging.Logger]:
+    """With --debug, where a failed evaluation's traceback goes: an evaluation has no run dir to log to."""
+    if not args.debug:
+        return None
+    log = logging.getLogger("vj2ac.evaluate")
+    if not log.handlers:
+        log.addHandler(logging.StreamHandler(sys.stderr))
+    return log
+
+
 def evaluate(args, launch):
     predictor, trained_horizon, trained_geometry = load_predictor(args.evaluate)
     # the loss the run validated with, unless the command line asks for another
@@ -607,7 +619,11 @@ def evaluate(args, launch):
                                      world_size=env.world_size, seed=args.seed, num_workers=args.num_workers,
                                      timeout_s=args.loader_timeout)
         loss_fn = partial(vj2_loss, rollout_horizon=args.rollout_horizon)
-        result = evaluate_model(predictor.to(env.device), loader, loss_fn, env.device)
+        result = evaluate_model(predictor.to(env.device), loader, loss_fn, env.device, log=_console_log(args))
+    except EvaluationFailed as exc:
+        if args.debug:
+            raise
+        raise EvaluationFailed(f"{exc}; --debug prints its traceback", agreed=exc.agreed) from exc.__cause__
     finally:
         rt.teardown_distributed()
     if env.is_main:

@@ -455,6 +455,30 @@ def test_evaluate_refuses_a_checkpoint_whose_rollout_horizon_is_not_positive(tmp
                                                      f"(ValueError: rollout_horizon must be an integer >= 1, got -1)\n")
 
 
+def test_a_failed_evaluation_is_one_line_and_debug_prints_its_traceback(tmp_path, no_launch_env, capsys, monkeypatch):
+    """--evaluate has no run dir to log a traceback to: the error line says how to get it, and --debug prints it."""
+    gen.generate(tmp_path / "val", num_files=1, trajectories_per_file=4)
+    model = tiny_predictor()
+    path = tmp_path / "p.pt"
+    torch.save({"predictor": model.state_dict(), "global_step": 1, "predictor_config": model.config,
+                "rollout_horizon": 1}, path)
+
+    def broken_loss(model, batch, rollout_horizon):
+        raise ValueError("injected in the loss")
+
+    monkeypatch.setattr(vj2, "vj2_loss", broken_loss)
+    command = ["--evaluate", str(path), "--validation_data_dir", str(tmp_path / "val"), "--device", "cpu"]
+    assert vj2.main(command) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: rank 0: EvaluationFailed: evaluation failed on rank 0: ValueError: injected in the "
+                          "loss (at test_vj2_training.py:") and err.endswith("; --debug prints its traceback\n"), err
+    assert err.count("\n") == 1, err
+    assert vj2.main([*command, "--debug"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and 'raise ValueError("injected in the loss")' in err, err
+    assert err.splitlines()[-1].startswith("error: rank 0: EvaluationFailed: evaluation failed on rank 0: ValueError")
+
+
 def test_validation_data_of_another_geometry_is_refused_before_training(tmp_path, no_launch_env, capsys):
     make_vj2_data(tmp_path, 1, 8, 8)
     gen.generate(tmp_path / "wide", num_files=1, trajectories_per_file=4, seed=1, embed_dim=16)
