@@ -97,8 +97,8 @@ def slurm_tasks_on_node(tasks_per_node: str, node_id: int) -> int:
 
 
 # What detect_launch_env reads
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS",
-               "SLURM_LOCALID")
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS",
+               "SLURM_NTASKS", "SLURM_LOCALID")
 
 
 class LaunchEnvError(ValueError):
@@ -129,11 +129,24 @@ def detect_launch_env() -> dict:
     else:
         found = _slurm_task(env) or dict(rank=0, world_size=1, local_rank=0, launcher="none")
     # else the process would refuse or wait at the rendezvous, and only rank 0 says why
+    shown = " ".join(f"{k}={env[k]}" for k in LAUNCH_VARS if k in env)
     if not 0 <= found["rank"] < found["world_size"] or found["local_rank"] < 0:
-        shown = " ".join(f"{k}={env[k]}" for k in LAUNCH_VARS if k in env)
         raise LaunchEnvError(f"rank {found['rank']} (local rank {found['local_rank']}) of world size "
                              f"{found['world_size']}, from {shown}: expected 0 <= rank < world size")
+    if found["launcher"] != "none" and "LOCAL_WORLD_SIZE" in env:  # the threads and loader workers follow it
+        local_ranks = _int_env(env, "LOCAL_WORLD_SIZE")
+        if not found["local_rank"] < local_ranks <= found["world_size"]:
+            raise LaunchEnvError(f"local rank {found['local_rank']} of {local_ranks} ranks on this node, world size "
+                                 f"{found['world_size']}, from {shown}: expected 0 <= LOCAL_RANK < "
+                                 f"LOCAL_WORLD_SIZE <= world size")
     return found
+
+
+def local_world_size(world_size: int) -> int:
+    """The ranks on this node, which share its cores (torchrun's LOCAL_WORLD_SIZE, or SLURM's tasks on the node;
+    checked by detect_launch_env). A launcher that does not say: all of them, fewer threads each rather than more
+    threads than cores."""
+    return _int_env(os.environ, "LOCAL_WORLD_SIZE", str(world_size))
 
 
 def note(message: str) -> None:
@@ -256,7 +269,7 @@ def setup_distributed(rank: int, world_size: int, local_rank: Optional[int] = No
     else:
         dev = torch.device("cpu")
     # GPU ranks too: their host work (collation, the optimizer's CPU parts) shares the node's cores
-    limit_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), world_size)
+    limit_cpu_threads(local_world_size(world_size), world_size)
 
     if world_size == 1:
         return DistEnv(rank, local_rank, 1, None, dev)

@@ -1352,7 +1352,7 @@ class DDPTrainer:
         loader = lambda ds, train: rt.build_dataloader(  # noqa: E731
             ds, cfg.batch_size, train=train, rank=env.rank, world_size=env.world_size, seed=cfg.seed,
             num_workers=cfg.num_workers, pin_memory=pin, collate_fn=collate_fn, timeout_s=cfg.loader_timeout,
-            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size)))
+            local_world_size=rt.local_world_size(env.world_size))
         if isinstance(train_dataset, torch.utils.data.IterableDataset) and cfg.data_strategy != "dispatch":
             raise ValueError("an iterable (streamed) training set cannot be sharded by index; "
                              "use data_strategy='dispatch' (--data_strategy dispatch)")

@@ -66,6 +66,11 @@ def test_detect_env_plain_and_torchrun(no_slurm_step, monkeypatch):
     (dict(RANK="abc", WORLD_SIZE="2"), "RANK='abc' is not a whole number"),
     (dict(SLURM_PROCID="3", SLURM_STEP_NUM_TASKS="2", SLURM_STEP_NODELIST="gpu1"), "rank 3 (local rank 0) of world "
                                                                                    "size 2, from SLURM_PROCID=3"),
+    # LOCAL_WORLD_SIZE sets the threads: 'x' was a ValueError that named no variable
+    (dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="x"), "LOCAL_WORLD_SIZE='x' is not a whole number"),
+    (dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="1"),
+     "local rank 1 of 1 ranks on this node, world size 2, from RANK=1 WORLD_SIZE=2 LOCAL_RANK=1 LOCAL_WORLD_SIZE=1: "
+     "expected 0 <= LOCAL_RANK < LOCAL_WORLD_SIZE <= world size"),
 ])
 def test_launch_variables_that_make_no_sense_are_an_error_on_every_rank(no_slurm_step, monkeypatch, tmp_path,
                                                                           variables, message):
