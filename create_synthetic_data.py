@@ -378,6 +378,10 @@ def val_output_dir(args):
 def main(argv=None):
     args = parse_args(argv)
     geometry = resolve_geometry(args)
+    if geometry["steps"] - 1 < config.ROLLOUT_HORIZON:  # written anyway: a shorter horizon trains on them
+        print(f"note: T={geometry['steps']} leaves {geometry['steps'] - 1} step(s) to predict, fewer than the "
+              f"trainer's default --rollout_horizon {config.ROLLOUT_HORIZON}: train on these files with "
+              f"--rollout_horizon {max(1, geometry['steps'] - 1)}", file=sys.stderr)
     common = dict(seed=args.seed, dtype=args.dtype, compress=args.compress, noise=args.noise,
                   world_seed=args.world_seed, save_states=args.save_states, verbose=True, **geometry)
     sets = [(args.output_dir, args.num_files, args.trajectories_per_file, "train")]

@@ -844,13 +844,15 @@ def symlink_note(path) -> str:
 
 
 def unwritable_dir(path) -> Optional[str]:
-    """Why files cannot be created in `path` (made if missing), or None: checked at set-up, so that a run
-    does not train for hours to fail at its first save."""
+    """Why files cannot be created in `path` (made if missing), or its files not listed, or None: checked at
+    set-up, so that a run does not train for hours to fail at its first save, nor take a dir whose states it
+    cannot see for an empty one and start afresh over them."""
     try:
         Path(path).resolve().mkdir(parents=True, exist_ok=True)  # the target of a link whose dir has gone too
         fd, probe = tempfile.mkstemp(dir=path, prefix=".write_probe.")
         os.close(fd)
         os.unlink(probe)
+        os.listdir(path)
     except OSError as exc:
         return f"{type(exc).__name__}: {exc}{symlink_note(path)}"
     return None

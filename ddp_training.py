@@ -119,6 +119,8 @@ HELP = {
     "save_interval": "epochs between <prefix>_epoch_N.pt and a resumable state; 0 = off",
     "save_every_iters": "steps between <prefix>_step_N.pt and a resumable state; 0 = off",
     "resume": "auto: the newest state in checkpoint_dir that loads | none | PATH of a state",
+    "init_from": "a fresh run's weights from this file (fine-tuning: a weights file, or the model of a state); "
+                 "a resumed run has its own",
     "keep_states": "resumable states kept, newest first; 0 = all",
     "keep_checkpoints": "<prefix>_step_N.pt files kept, newest first, and as many <prefix>_epoch_N.pt; 0 = all",
     "async_checkpoint": "rank 0 writes checkpoints on a background thread from a host copy",
@@ -191,6 +193,7 @@ class TrainConfig:
     save_interval: int = 1
     save_every_iters: int = 0
     resume: str = "auto"
+    init_from: Optional[str] = None
     keep_states: int = 2
     keep_checkpoints: int = 0
     async_checkpoint: bool = True
@@ -250,7 +253,8 @@ class TrainConfig:
             raise ValueError(f"config key 'loader_timeout' must be at most {MAX_TIMEOUT_S:g}, got {self.loader_timeout}")
         if not 0 <= self.seed < 2 ** 32:  # numpy's seeding range
             raise ValueError(f"config key 'seed' must be in [0, 2**32), got {self.seed}")
-        for key in ("data", "log_dir", "checkpoint_dir"):  # "$DATA" with DATA unset must not mean "the default"
+        # "$DATA" with DATA unset must not mean "the default"
+        for key in ("data", "log_dir", "checkpoint_dir", "init_from"):
             if getattr(self, key) == "":
                 raise ValueError(f"config key {key!r} must be a path (or none for the default), got an empty string")
         if (why := rt.bad_run_name(self.run_name)) is not None:
@@ -824,6 +828,47 @@ class StepAbandoned(rt.Failed):
     started reducing): the run ends here, and the others learn why from this rank's FAILED marker."""
 
 
+def init_weights_in(ckpt, weights_key: str, extra: dict) -> tuple:
+    """(the weights, a note of where they come from) in a file given as init_from: this kit's weights file (its
+    `weights_key`), a resumable state (its model) or a bare state dict. Its model settings (the dicts among the
+    trainer's checkpoint_extra, model_config or predictor_config) must be this model's, dropout aside: a count of
+    heads changes what the same shapes compute."""
+    if not isinstance(ckpt, dict):
+        raise ValueError(f"holds a {type(ckpt).__name__}; expected a checkpoint (a dict)")
+    if isinstance(ckpt.get(weights_key), dict):
+        weights = ckpt[weights_key]
+    elif {"model", "optimizer", "counters"} <= set(ckpt):
+        weights = ckpt["model"]
+    elif ckpt and all(isinstance(v, torch.Tensor) for v in ckpt.values()):
+        weights = ckpt
+    else:
+        raise ValueError(f"holds no weights under {weights_key!r} (its keys: {sorted(map(str, ckpt))[:8]}); "
+                         f"expected a weights file of this model, a resumable state or a state dict")
+    for key, mine in extra.items():
+        theirs = ckpt.get(key)
+        if isinstance(mine, dict) and isinstance(theirs, dict):
+            differ = sorted(k for k in mine.keys() | theirs.keys() if k != "dropout" and mine.get(k) != theirs.get(k))
+            if differ:
+                shown = ", ".join(f"{k}: {theirs.get(k)!r} there, {mine.get(k)!r} here" for k in differ)
+                raise ValueError(f"its {key} differs from this model's ({shown})")
+    for prefix in ("module.", "_orig_mod."):  # saved from a DDP or a compiled model
+        if weights and all(k.startswith(prefix) for k in weights):
+            weights = {k[len(prefix):]: v for k, v in weights.items()}
+    step = ckpt.get("global_step")
+    return weights, (f" (step {step} of the run that saved it)" if isinstance(step, int) else "")
+
+
+def check_fit(weights: dict, own: dict) -> None:
+    """The names and shapes of `weights` are the model's (`own`, its state dict), or a ValueError that says how not."""
+    missing, unexpected = sorted(own.keys() - weights.keys()), sorted(weights.keys() - own.keys())
+    shapes = [f"{k}: {tuple(getattr(weights[k], 'shape', ()))} there, {tuple(own[k].shape)} here"
+              for k in own.keys() & weights.keys() if getattr(weights[k], "shape", None) != own[k].shape]
+    if missing or unexpected or shapes:
+        parts = [f"{what} {names[:4]}{' ...' if len(names) > 4 else ''}" for what, names in
+                 (("missing", missing), ("not in this model", unexpected), ("other shapes", sorted(shapes))) if names]
+        raise ValueError(f"its weights do not fit this model: {'; '.join(parts)}")
+
+
 class EvaluationFailed(rt.Failed):
     """Evaluation raised on some rank; raised on every rank with every rank's error."""
 
@@ -1155,8 +1200,8 @@ class DDPTrainer:
             (rt.unwritable_dir(cfg.checkpoint_dir), None if one_dir else rt.unwritable_dir(cfg.log_dir))
             if env.is_main else None)
         if ckpt_problem:
-            raise ValueError(f"checkpoint_dir {cfg.checkpoint_dir}: cannot write checkpoints there ({ckpt_problem}); "
-                             f"a state elsewhere still resumes with resume=PATH")
+            raise ValueError(f"checkpoint_dir {cfg.checkpoint_dir}: cannot write or list checkpoints there "
+                             f"({ckpt_problem}); a state elsewhere still resumes with resume=PATH")
         if log_problem:
             raise ValueError(f"log_dir {cfg.log_dir}: cannot create the run's files there ({log_problem})")
         random.seed(cfg.seed)
@@ -1237,6 +1282,8 @@ class DDPTrainer:
                       cfg.batch_size, cfg.grad_accum_steps, env.world_size)
         self._log_precision_and_schedule()
         self.resumed_from = self._resume()  # last: it restores the RNG streams set-up consumed
+        if cfg.init_from and self.resumed_from is None:
+            self._init_weights(cfg.init_from)
 
     def _log_precision_and_schedule(self) -> None:
         """What amp and the schedule settings come to here: amp_dtype fp16 on the CPU, say, is full precision."""
@@ -1994,6 +2041,26 @@ class DDPTrainer:
                       "stopped_early": False}  # the last validation stopped the run
     STATE_COUNTERS = tuple(FRESH_COUNTERS)
 
+    def _init_weights(self, path: str) -> None:
+        """A fresh run's weights from `path` (fine-tuning). Every rank reads the file, so every rank must find the
+        same weights there; a file that does not fit the model is refused on every rank, naming what differs."""
+        try:
+            weights, note = init_weights_in(rt.load_checkpoint(path), self.weights_key, self.checkpoint_extra)
+            check_fit(weights, self.raw_model.state_dict())
+            self.raw_model.load_state_dict(weights)
+            error = None
+        except (rt.CheckpointError, ValueError) as exc:
+            error = f"init_from {path}: {exc}"
+        everyone = rt.gather_objects(error)
+        errors = {e for e in everyone if e}
+        if errors:  # usually the same on every rank; otherwise say which rank saw what
+            raise ValueError(errors.pop() if len(errors) == 1 else
+                             "; ".join(f"rank {r}: {e}" for r, e in enumerate(everyone) if e))
+        if len(set(map(tuple, rt.gather_objects(rt.parameter_digests(self.raw_model))))) > 1:
+            raise ValueError(f"init_from {path}: the ranks read different weights from it: every rank reads the "
+                             f"file itself, so on several nodes it must be the same file on each")
+        self.log.info("weights initialised from %s%s", path, note)
+
     def _resume(self) -> Optional[Path]:
         """Load the state `resume` points at (auto: the newest one that loads). Every rank must
         arrive at the same file, and an error on any rank is an error on all of them."""
@@ -2036,6 +2103,9 @@ class DDPTrainer:
         if chosen is None:
             self.log.info("no resumable state in %s: starting fresh", self.ckpt_dir)
             return None
+        if not chosen.with_name(chosen.name + ".sha256").exists():  # a stop between the two writes leaves one so
+            self.log.warning("%s has no .sha256 sidecar: resumed from it unchecked (corruption would go unseen)",
+                             chosen)
         self.state_step = self.global_step
         # a validation redone at this step writes its step and epoch files again (rank 0 sees them: saves are
         # collective); an epoch file is this step's when the state is at an epoch's end
@@ -2198,6 +2268,9 @@ class DDPTrainer:
         except EvaluationFailed as exc:
             self.log.error("validation at step %d: %s", self.global_step, exc)
             self._save_last_good()  # the weights of the steps so far are fine
+            if self._save_point() and self.state_step != self.global_step:  # the save point it came before
+                self.save_state()
+                self.writer.flush()
             raise
         except Exception as exc:
             if not is_collective_error(exc):
@@ -2390,7 +2463,8 @@ class DDPTrainer:
         if self.resumed_from is None:
             self._set_aside_other_ranks_logs()
         self._set_aside_old_states()
-        self._write_resolved_config()
+        if self.global_step <= self.total_steps:  # a shorter relaunch trains nothing: the file keeps the run's length
+            self._write_resolved_config()
         self._link_checkpoints()
         log_files = tuple(f"{name}." for name in (self.metrics_path.name, "config.yaml", COMPLETED_MARKER,
                                                   rt.PREEMPTED_MARKER))
@@ -2531,9 +2605,9 @@ class DDPTrainer:
     def _step_boundary(self, r: dict, stop_signal: rt.StopSignal) -> Optional[str]:
         """Validation and saves due at this step, then a stop if one is agreed; the status that ends the
         run, or None. The boundary work comes before a stop, so a resumed run repeats none of it."""
-        cfg = self.cfg
-        early = bool(cfg.val_interval) and self.global_step % cfg.val_interval == 0 and self._validate()
-        if cfg.save_every_iters and self.global_step % cfg.save_every_iters == 0:
+        save_point = self._save_point()
+        early = self._validation_due(save_point) and self._validate()
+        if save_point:
             self._save_weights_file(f"step_{self.global_step}")
             self.save_state()
         if r["write_failed"] or self.writer.retry_pending:
@@ -2546,13 +2620,26 @@ class DDPTrainer:
             return self._interrupt(stop_signal)
         return None
 
+    def _save_point(self) -> bool:
+        return bool(self.cfg.save_every_iters) and self.global_step % self.cfg.save_every_iters == 0
+
+    def _validation_due(self, save_point: bool) -> bool:
+        """Every val_interval steps; and before a save point that the epoch's or the run's closing validation
+        would follow at the same step, so that its files and state are written once, with the loss, instead of
+        written and then again."""
+        if self.cfg.val_interval and self.global_step % self.cfg.val_interval == 0:
+            return True
+        epoch_ends = not self.cfg.val_interval and self.step_in_epoch >= self.steps_per_epoch
+        return save_point and (epoch_ends or self.global_step >= self.total_steps)
+
     def _end_epoch(self, validate: bool = True) -> Optional[str]:
-        """An epoch ran to its end: per-epoch validation and checkpoint; "early_stopped" or None."""
+        """An epoch ran to its end: per-epoch validation (unless its last step's save point came after one)
+        and checkpoint; "early_stopped" or None."""
         cfg = self.cfg
         self.epoch += 1
         self.epoch_data_errors = 0
         self.step_in_epoch = 0
-        stop = validate and not cfg.val_interval and self._validate()
+        stop = validate and not cfg.val_interval and self.last_val_step != self.global_step and self._validate()
         if cfg.save_interval and self.epoch % cfg.save_interval == 0:  # an early stop keeps its epoch's file
             self._save_weights_file(f"epoch_{self.epoch}")
             self.save_state()

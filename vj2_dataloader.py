@@ -339,10 +339,12 @@ def list_files(data_dir):
     if data_dir.exists() and not data_dir.is_dir():
         raise FileNotFoundError(f"data directory {data_dir} is a file, not a directory (nor an .npz file)")
     if not data_dir.is_dir():
-        raise FileNotFoundError(f"data directory {data_dir} does not exist")
+        where = "" if data_dir.is_absolute() else f" (relative to the working directory {Path.cwd()})"
+        raise FileNotFoundError(f"data directory {data_dir} does not exist{where}")
     files = sorted(data_dir.glob("*.npz"))
     if not files:
-        raise DataFileError(f"{data_dir}: no *.npz files found; expected trajectory files "
+        below = " (its subdirectories are not searched)" if any(p.is_dir() for p in data_dir.iterdir()) else ""
+        raise DataFileError(f"{data_dir}: no *.npz files found{below}; expected trajectory files "
                             f"(create_synthetic_data.py writes some)")
     seen = {}
     for path in files:  # a link to another file here (latest.npz) would train its trajectories twice

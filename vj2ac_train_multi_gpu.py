@@ -36,7 +36,6 @@ import numbers
 import sys
 from contextlib import contextmanager
 from functools import partial
-from typing import Optional
 
 import numpy as np
 import torch
@@ -84,6 +83,9 @@ class Block(nn.Module):
 class ACPredictor(nn.Module):
     """
     predict(z [B, S, P, D], actions [B, S, A*C]) -> layer-normed predictions of z_1 .. z_S, one per input step.
+    `z` must be layer-normed over D already (F.layer_norm(tokens, (D,)), as forward does: the predictor
+    trained on normed tokens and predicts normed ones), and each step's A x C actions flattened to A*C values,
+    action-major ([x, y, touch] of event 0, then of event 1, ...), as in the .npz files.
     forward(embeddings [B, T, P, D], actions [B, T-1, A*C], rollout_horizon) -> per-sample (jloss, sloss).
     """
     static_graph = True  # one block-causal pass serves teacher forcing and rollout: every parameter, every step
@@ -299,7 +301,7 @@ def build_parser():
     p.add_argument("--config", help="YAML file of flag names and values (a run dir's config.yaml); flags win")
     p.add_argument("--processed_data_dir", help="training .npz files (required unless --evaluate)")
     p.add_argument("--validation_data_dir", help="validation .npz files (required)")
-    p.add_argument("--num_epochs", type=int, default=1, help=d)
+    p.add_argument("--num_epochs", "--epochs", type=int, default=1, help=d)
     p.add_argument("--batch_size", "--batch-size", type=int, default=4, help="trajectories per rank and step" + d)
     p.add_argument("--num_workers", type=int, default=0, help="DataLoader workers per rank" + d)
     p.add_argument("--loader_timeout", type=float, default=120.0,
@@ -319,7 +321,7 @@ def build_parser():
     p.add_argument("--rollout_horizon", type=int,
                    help=f"autoregressive steps in the rollout loss; needs T-1 >= it "
                         f"(default: {config.ROLLOUT_HORIZON}; with --evaluate, the checkpoint's)")
-    p.add_argument("--lr", type=float, help=f"peak learning rate; default by preset: {PRESET_LR}")
+    p.add_argument("--lr", "--learning_rate", type=float, help=f"peak learning rate; default by preset: {PRESET_LR}")
     p.add_argument("--weight_decay", type=float, default=0.04, help=d)
     p.add_argument("--warmup_steps", type=int, default=5, help=d)
     p.add_argument("--grad_accum_steps", type=int, default=1, help="micro-steps per optimizer step" + d)
@@ -350,8 +352,13 @@ def build_parser():
 TRAINER_FLAGS = ("grad_clip", "lr_schedule", "min_lr_ratio", "amp_dtype", "compile", "static_graph", "bucket_cap_mb",
                  "pin_memory", "first_step_timeout", "patience", "min_delta", "target_loss", "keep_states",
                  "keep_checkpoints", "async_checkpoint", "log_interval", "tensorboard", "memory_check_interval",
-                 "max_memory_gb", "max_errors_per_epoch", "max_bad_steps")
+                 "max_memory_gb", "max_errors_per_epoch", "max_bad_steps", "init_from")
 
+
+# What --evaluate reads (any other flag on its command line is refused: it would change nothing)
+EVALUATE_FLAGS = ("evaluate", "validation_data_dir", "shuffle_actions", "rollout_horizon", "batch_size", "num_workers",
+                  "loader_timeout", "skip_bad_files", "seed", "device", "dist_backend", "dist_timeout", "local_rank",
+                  "debug", "config")
 
 # Flags of one launch, not of the run: not in the run dir's config.yaml, and not taken from a --config file
 NOT_RECORDED = ("help", "config", "evaluate", "shuffle_actions", "local_rank", "test")
@@ -385,10 +392,17 @@ def parse_args(argv=None):
     if args.evaluate:
         if not args.validation_data_dir:
             parser.error("--evaluate needs --validation_data_dir")
+        ignored = [f"--{flag}" for flag in given if flag not in EVALUATE_FLAGS]
+        if ignored:  # a --depth or a --processed_data_dir that did nothing looked as if it had been used
+            parser.error(f"--evaluate scores the checkpoint as it is: {' '.join(ignored)} "
+                         f"{'is a training flag' if len(ignored) == 1 else 'are training flags'}, which it does not "
+                         f"read; leave {'it' if len(ignored) == 1 else 'them'} out")
     elif not (args.processed_data_dir and args.validation_data_dir):
         parser.error("--processed_data_dir and --validation_data_dir are required (unless --evaluate)")
     elif args.shuffle_actions:
         parser.error("--shuffle_actions only applies to --evaluate")
+    if args.no_amp and args.amp_dtype in ("bf16", "fp16"):  # fp32 would be taken without a word
+        parser.error(f"--no_amp turns off the mixed precision that --amp_dtype {args.amp_dtype} asks for: give one")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available (use --device cpu --dist-backend gloo)")
     if args.device == "cpu" and args.dist_backend == "nccl":
@@ -447,7 +461,12 @@ def defaults_from_file(parser, path, given) -> dict:
     values = {}
     for key, value in data.items():
         if key not in actions:
-            parser.error(f"--config {path}: unknown key {key!r}; expected flag names: {', '.join(sorted(actions))}")
+            nested = (" (a flat mapping: nested sections, as in V-JEPA 2's app/data/optimization configs, are not "
+                      "read)" if any(isinstance(v, dict) for v in data.values()) else "")
+            launch = (f" ({'--' + key} is a flag of one launch, not a key of the run)" if key in NOT_RECORDED
+                      else "")
+            parser.error(f"--config {path}: unknown key {key!r}{nested}{launch}; expected flag names: "
+                         f"{', '.join(sorted(actions))}")
         values[key] = flag_value(parser, actions[key], f"--config {path}: key {key!r}", value)
     file_run = values.get("run_name", parser.get_default("run_name"))
     run = given.get("run_name", TEST_DEFAULTS["run_name"] if given.get("test") else file_run)
@@ -579,6 +598,10 @@ def load_predictor(path):
         if "predictor_config" not in ckpt and {"optimizer", "counters"} <= set(ckpt):
             raise BadInput(f"--evaluate {path}: a resumable training state, not a predictor checkpoint; evaluate "
                            f"a weights file beside it (<prefix>_final.pt, _best.pt or _step_N.pt)")
+        if not {"predictor", "predictor_config"} <= set(ckpt):
+            lm = " (ddp_training.py's language model)" if "model_config" in ckpt else ""
+            raise BadInput(f"--evaluate {path}: holds no predictor{lm}: its keys are {sorted(map(str, ckpt))}; "
+                           f"expected a weights file of this script (keys 'predictor' and 'predictor_config')")
         predictor = ACPredictor(**ckpt["predictor_config"])
         predictor.load_state_dict(ckpt["predictor"])
         horizon = ckpt.get("rollout_horizon")
@@ -594,13 +617,16 @@ def load_predictor(path):
     return predictor, horizon, geometry
 
 
-def _console_log(args) -> Optional[logging.Logger]:
-    """With --debug, where a failed evaluation's traceback goes: an evaluation has no run dir to log to."""
-    if not args.debug:
-        return None
-    log = logging.getLogger("vj2ac.evaluate")
+def _console_log(name: str, shown: bool) -> logging.Logger:
+    """Where --evaluate reports what training would log (skipped files; with --debug, a failed evaluation's
+    traceback): stderr, as it has no run dir to log to."""
+    log = logging.getLogger(f"vj2ac.evaluate.{name}")
     if not log.handlers:
-        log.addHandler(logging.StreamHandler(sys.stderr))
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+    log.setLevel(logging.INFO if shown else logging.CRITICAL + 1)
     return log
 
 
@@ -608,7 +634,9 @@ def evaluate(args, launch):
     predictor, trained_horizon, trained_geometry = load_predictor(args.evaluate)
     # the loss the run validated with, unless the command line asks for another
     args.rollout_horizon = args.rollout_horizon or trained_horizon or config.ROLLOUT_HORIZON
-    val_set = load_dataset("--validation_data_dir", args.validation_data_dir, args)
+    # every rank reads the same files: rank 0 says what it skipped
+    val_set = load_dataset("--validation_data_dir", args.validation_data_dir, args,
+                           _console_log("data", launch["rank"] == 0))
     check_fits(predictor, val_set.geometry, "--validation_data_dir", trained_geometry)
     if args.shuffle_actions:
         val_set = ShuffledActions(val_set, args.seed)
@@ -619,7 +647,7 @@ def evaluate(args, launch):
                                      world_size=env.world_size, seed=args.seed, num_workers=args.num_workers,
                                      timeout_s=args.loader_timeout)
         loss_fn = partial(vj2_loss, rollout_horizon=args.rollout_horizon)
-        result = evaluate_model(predictor.to(env.device), loader, loss_fn, env.device, log=_console_log(args))
+        result = evaluate_model(predictor.to(env.device), loader, loss_fn, env.device, log=_console_log("traceback", args.debug))
     except EvaluationFailed as exc:
         if args.debug:
             raise

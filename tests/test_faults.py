@@ -679,32 +679,32 @@ EPOCH = 32  # steps per epoch of cfg_for(): 256 training samples / 8
 
 
 @pytest.mark.parametrize("case", ["known-at-the-next-step", "best-at-the-end", "known-at-the-last-save-point",
-                                  "replaced-in-its-save-point"])
+                                  "validated-before-its-save-point"])
 def test_a_weights_file_whose_write_failed_is_written_again_from_its_copy(tmp_path, monkeypatch, no_launch_env,
                                                                          case):
     """A later state replaces a failed state, but no later save point writes a step's weights file or the best
     weights of the last validation: they were lost, model_best.pt silently behind the summary's best_val_loss
     (from a review). Each is written again from the copy of its step; a failure that a save point at the end
-    meets is written again before the run ends; a copy replaced within its save point (the step file written
-    again with the epoch's validation loss) is not put back over the newer one (from a review of the fix)."""
+    meets is written again before the run ends. A save point at an epoch's last step comes after the epoch's
+    validation, so its step file is written once, with the loss, and written again so."""
     name, step, delay, cfg = {
         "known-at-the-next-step": ("model_step_6.pt", 6, 0.0, dict(save_every_iters=3, val_interval=6)),
         "best-at-the-end": ("model_best.pt", 12, 0.0, dict(save_every_iters=3, val_interval=6)),
         "known-at-the-last-save-point": ("model_step_10.pt", 10, 1.0, dict(save_every_iters=5)),
-        "replaced-in-its-save-point": (f"model_step_{EPOCH}.pt", EPOCH, 1.0,
-                                       dict(save_every_iters=EPOCH, max_steps=EPOCH + 2))}[case]
+        "validated-before-its-save-point": (f"model_step_{EPOCH}.pt", EPOCH, 1.0,
+                                            dict(save_every_iters=EPOCH, max_steps=EPOCH + 2))}[case]
     failed = failing_once(monkeypatch, name, step, delay)
     s = DDPTrainer(config=cfg_for(tmp_path, **cfg)).train()
     assert failed and s["status"] == "completed", (failed, s)
     got = weights_at(tmp_path, name)
     if case == "best-at-the-end":
         assert got == (12, s["best_val_loss"])
-    elif case == "replaced-in-its-save-point":
-        assert failed == [None] and got[0] == EPOCH and got[1] is not None  # the copy with the epoch's loss
+    elif case == "validated-before-its-save-point":
+        epoch_val = [r["val_loss"] for r in metrics(tmp_path / "logs", "val") if r["step"] == EPOCH]
+        assert failed == epoch_val and got == (EPOCH, epoch_val[0])
     else:
         assert got[0] == step
-    assert f"writing {tmp_path / 'ckpt' / name} again" in (tmp_path / "logs" / "rank_0.log").read_text() \
-        or case == "replaced-in-its-save-point"
+    assert f"writing {tmp_path / 'ckpt' / name} again" in (tmp_path / "logs" / "rank_0.log").read_text()
 
 
 def test_a_failed_weights_file_that_keep_checkpoints_has_pushed_out_is_not_written_again(tmp_path, monkeypatch,

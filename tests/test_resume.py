@@ -12,6 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+import yaml
 
 import ddp_runtime as rt
 from conftest import Augmented, background, clean_env, make_vj2_data, metrics, torchrun, torchrun_workers, wait_for_step
@@ -64,6 +65,18 @@ def reference_1(tmp_path_factory):
     root = tmp_path_factory.mktemp("ref1")
     DDPTrainer(config=cfg_for(root)).train()
     return final_weights(root)
+
+
+def test_a_state_without_its_sidecar_resumes_with_a_warning(tmp_path, no_launch_env, reference_1):
+    """A kill between a state's rename and its sidecar's leaves a state that loads unchecked: a chaos test
+    resumed from such a file with a flipped byte without a word. The resume says it is unchecked."""
+    DDPTrainer(config=cfg_for(tmp_path), loss_fn=SignalAt(7)).train()
+    Path(tmp_path / "ckpt" / "model_state_step_7.pt.sha256").unlink()
+    summary = DDPTrainer(config=cfg_for(tmp_path)).train()
+    assert summary["resumed_from"].endswith("model_state_step_7.pt")
+    assert f"WARNING: {tmp_path / 'ckpt' / 'model_state_step_7.pt'} has no .sha256 sidecar: resumed from it " \
+           "unchecked (corruption would go unseen)" in (tmp_path / "logs" / "rank_0.log").read_text()
+    assert_bit_identical(final_weights(tmp_path), reference_1)
 
 
 @pytest.mark.parametrize("stop_at", [3, 8, 6], ids=["mid-epoch", "epoch-boundary", "after-checkpoint"])
@@ -215,6 +228,8 @@ def test_a_state_past_a_shorter_max_steps_says_there_is_nothing_to_train(tmp_pat
     assert s["steps"] == 12 and s["resumed_from"].endswith("model_state_step_12.pt")
     assert "the state is past this run's length (8 steps: max_steps or num_epochs): nothing to train; the run " \
            "ends at step 12" in (tmp_path / "logs" / "rank_0.log").read_text()
+    # the run's config stays the one that trained it (a user test found max_steps 8 there)
+    assert yaml.safe_load((tmp_path / "logs" / "config.yaml").read_text())["max_steps"] == 12
 
 
 def test_a_fresh_run_never_replaces_earlier_set_aside_curves(tmp_path, no_launch_env):

@@ -28,6 +28,7 @@ import psutil
 import pytest
 import torch
 import torch.nn as nn
+import yaml
 
 from conftest import REPO, background, clean_env, make_vj2_data, metrics, run, torchrun, torchrun_workers, wait_for_step
 from dist_helpers import free_ports, run_script_forked, spawn
@@ -882,6 +883,88 @@ def test_a_log_dir_where_no_file_can_be_created_is_refused_at_set_up(tmp_path, n
     assert not (tmp_path / "logs" / "metrics.jsonl").exists()
 
 
+def test_a_checkpoint_dir_whose_files_cannot_be_listed_is_refused_before_anything_moves(tmp_path, no_launch_env,
+                                                                                        monkeypatch):
+    """A dir of mode 300 (write, no read) took files but listed none: "no resumable state: starting fresh", and
+    the fresh run set the earlier run's weights and metrics aside (from a chaos test; root lists any dir, so the
+    listing is told to fail here)."""
+    ckpt = tmp_path / "ckpt"
+    DDPTrainer(config={**QUICK, **dirs(tmp_path), "max_steps": 2, "save_every_iters": 2}).train()
+    before = sorted(p.name for p in ckpt.iterdir())
+    real = os.listdir
+
+    def unlistable(path="."):
+        if Path(path) == ckpt:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+    monkeypatch.setattr(os, "listdir", unlistable)
+    with pytest.raises(ValueError, match=f"checkpoint_dir {ckpt}: cannot write or list checkpoints there "
+                                         r"\(PermissionError: \[Errno 13\] Permission denied"):
+        DDPTrainer(config={**QUICK, **dirs(tmp_path), "max_steps": 4, "save_every_iters": 2})
+    monkeypatch.undo()
+    assert sorted(p.name for p in ckpt.iterdir()) == before
+    assert [r["type"] for r in metrics(tmp_path / "logs")].count("start") == 1
+
+
+def test_init_from_starts_a_fresh_run_from_another_runs_weights(tmp_path, no_launch_env):
+    """Fine-tuning: a fresh run begins with the weights of a file (a weights file, a state's model, a bare state
+    dict saved from DDP); its resume never reads the file again; a file of another model is refused, named."""
+    first = DDPTrainer(config={**QUICK, **dirs(tmp_path / "a"), "max_steps": 6, "save_every_iters": 6}).train()
+    weights = tmp_path / "a" / "ckpt" / "model_final.pt"
+    tuned = {**QUICK, **dirs(tmp_path / "b"), "max_steps": 4, "init_from": str(weights)}
+    trainer = DDPTrainer(config=tuned)
+    assert trainer.evaluate()["loss"] == pytest.approx(first["final_val_loss"], rel=1e-6)  # the file's weights
+    assert f"weights initialised from {weights} (step 6 of the run that saved it)" in \
+        (tmp_path / "b" / "logs" / "rank_0.log").read_text()
+    assert trainer.train()["steps"] == 4
+    assert yaml.safe_load((tmp_path / "b" / "logs" / "config.yaml").read_text())["init_from"] == str(weights)
+    # a longer run resumes from its own state, whatever became of the file
+    moved = weights.rename(tmp_path / "moved.pt")
+    assert DDPTrainer(config={**tuned, "max_steps": 6}).train()["resumed_from"].endswith("model_state_step_4.pt")
+    # a resumable state's model, and a bare state dict from a DDP-wrapped model, load as well
+    state = torch.load(tmp_path / "a" / "ckpt" / "model_state_step_6.pt", weights_only=True)
+    torch.save({f"module.{k}": v for k, v in state["model"].items()}, tmp_path / "bare.pt")
+    for source in (tmp_path / "a" / "ckpt" / "model_state_step_6.pt", tmp_path / "bare.pt"):
+        t = DDPTrainer(config={**tuned, **dirs(tmp_path / "c"), "resume": "none", "init_from": str(source)})
+        assert t.evaluate()["loss"] == pytest.approx(first["final_val_loss"], rel=1e-6), source
+        t.close()
+    for change, message in ((dict(num_heads=4), "its model_config differs from this model's (num_heads: 2 there, "
+                                                "4 here)"),
+                            (dict(init_from=str(tmp_path / "nowhere.pt")), "nowhere.pt does not exist")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            DDPTrainer(config={**tuned, **dirs(tmp_path / "d"), "init_from": str(moved), **change})
+    torch.save({"model": {"tok.weight": torch.zeros(3, 3)}}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match=re.escape(f"init_from {tmp_path / 'other.pt'}: its weights do not fit this "
+                                                   f"model: missing ['blocks.0.attn.proj.bias', ") + r".* \.\.\.; other "
+                                                   r"shapes \['tok.weight: \(3, 3\) there, \(64, 32\) here'\]$"):
+        DDPTrainer(config={**tuned, **dirs(tmp_path / "d"), "init_from": str(tmp_path / "other.pt")})
+
+
+def _init_from_per_rank(rank, world_size, root):
+    """rank 1 is given another file: as on a node whose copy of the file differs"""
+    name = "a" if rank == 0 else "b"
+    cfg = {**QUICK, **dirs(Path(root) / "run"), "max_steps": 2, "init_from": str(Path(root) / f"{name}.pt")}
+    try:
+        return DDPTrainer(rank=rank, world_size=world_size, config=cfg).train()["status"]
+    except ValueError as exc:
+        return str(exc)
+
+
+@pytest.mark.multi
+def test_init_from_on_two_ranks_must_read_the_same_weights(tmp_path):
+    torch.manual_seed(0)
+    for name in ("a", "b"):
+        torch.save({"model": CausalLM(64, 32, 2, 2, 32).state_dict()}, tmp_path / f"{name}.pt")
+    assert spawn(_init_from_per_rank, 2, str(tmp_path), timeout=120) == [
+        f"init_from {tmp_path / 'a.pt' if r == 0 else tmp_path / 'b.pt'}: the ranks read different weights from it: "
+        f"every rank reads the file itself, so on several nodes it must be the same file on each" for r in (0, 1)]
+    (tmp_path / "b.pt").write_bytes((tmp_path / "a.pt").read_bytes())
+    assert spawn(_init_from_per_rank, 2, str(tmp_path), timeout=120) == ["completed"] * 2
+    state = torch.load(tmp_path / "run" / "ckpt" / "model_state_step_2.pt", weights_only=True)
+    start = torch.load(tmp_path / "a.pt", weights_only=True)["model"]
+    assert all(not torch.equal(state["model"][k], start[k]) for k in ("tok.weight", "head.weight"))  # trained on
+
+
 def test_the_loss_fns_extras_on_the_test_set_reach_the_summary(tmp_path, no_launch_env):
     """The val records carried val_<extra>; the test set's extras were computed and dropped."""
     from ddp_training import lm_loss
@@ -1120,10 +1203,10 @@ SCRIPT_RUN_CASES = (["--no_such_flag", "1"], ["--max_steps", "-3"], ["--cpu", "-
      "error: ValueError: log_dir empty.txt: cannot write rank_0.log there (FileExistsError"),
     # found at set-up, not at the first save an epoch later
     (["--cpu", "--nproc", "2", "--checkpoint_dir", "empty.txt/ck"],
-     "error: ValueError: checkpoint_dir empty.txt/ck: cannot write checkpoints there (NotADirectoryError"),
+     "error: ValueError: checkpoint_dir empty.txt/ck: cannot write or list checkpoints there (NotADirectoryError"),
     # a link an earlier run left (its --checkpoint_dir) to where no dir can be made
-    (["--cpu", "--run_name", "linked"], "error: ValueError: checkpoint_dir runs/linked/checkpoints: cannot write "
-                                        "checkpoints there (NotADirectoryError"),
+    (["--cpu", "--run_name", "linked"], "error: ValueError: checkpoint_dir runs/linked/checkpoints: cannot write or "
+                                        "list checkpoints there (NotADirectoryError"),
     (["--cpu", "--run_name", "linked"], "; runs/linked/checkpoints is a symlink to "),
 ])
 def test_cli_bad_input_exits_2_with_a_clear_message(tmp_path, argv, message):

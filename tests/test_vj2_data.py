@@ -134,6 +134,16 @@ def test_noise_that_would_overflow_the_dtype_is_refused_before_writing(tmp_path,
     VJ2TrajectoryDataset(out)
 
 
+def test_files_too_short_for_the_default_rollout_are_written_with_a_note(tmp_path, capsys):
+    """T=2 was written without a word, and the trainer refused the files with its default horizon (user test)."""
+    out = tmp_path / "out"
+    assert gen.main(["--output_dir", str(out), "--num_files", "1", "--trajectories_per_file", "2",
+                     "--num_steps", "2"]) == 0
+    assert capsys.readouterr().err == ("note: T=2 leaves 1 step(s) to predict, fewer than the trainer's default "
+                                       "--rollout_horizon 2: train on these files with --rollout_horizon 1\n")
+    assert len(VJ2TrajectoryDataset(out, rollout_horizon=1)) == 2
+
+
 def test_a_chunk_that_overflows_the_dtype_is_not_written(tmp_path, monkeypatch):
     # the bound on --noise leaves a margin of NOISE_SIGMAS standard deviations; past it, the file is refused
     monkeypatch.setattr(gen, "check_noise", lambda *args: None)
@@ -764,11 +774,19 @@ def test_geometry_mismatch_names_both_files(tmp_path):
     assert "D=8" in message and "D=32" in message
 
 
-def test_empty_and_missing_directories(tmp_path):
-    with pytest.raises(DataFileError, match="no \\*.npz files"):
+def test_empty_and_missing_directories(tmp_path, monkeypatch):
+    with pytest.raises(DataFileError, match="no \\*.npz files found; expected"):
         VJ2TrajectoryDataset(tmp_path)
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(FileNotFoundError, match="does not exist$"):
         VJ2TrajectoryDataset(tmp_path / "nowhere")
+    # from a user test: a relative path said nothing of where it was looked for, nor a dir of dirs where not
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=f"data directory nowhere does not exist \\(relative to the "
+                                                f"working directory {re.escape(str(tmp_path))}\\)"):
+        VJ2TrajectoryDataset("nowhere")
+    (tmp_path / "day1").mkdir()
+    with pytest.raises(DataFileError, match="no \\*.npz files found \\(its subdirectories are not searched\\)"):
+        VJ2TrajectoryDataset(tmp_path)
 
 
 def test_skip_bad_files_skips_counts_and_warns(data_dir, caplog):

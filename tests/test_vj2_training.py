@@ -246,7 +246,10 @@ def test_a_config_file_is_read_like_the_flags_and_a_run_records_one(tmp_path, ca
                           ("compile: maybe\n", "key 'compile' must be true or false, got 'maybe'"),
                           ("batch_size: null\n", "key 'batch_size' must not be null"),
                           ("preset: huge\n", "key 'preset' must be one of"), ("depth: [1]\n", "a single value"),
-                          ("evaluate: x.pt\n", "unknown key 'evaluate'"), ("- 1\n", "expected a flat mapping")]:
+                          ("evaluate: x.pt\n", "unknown key 'evaluate' (--evaluate is a flag of one launch, not a "
+                                                "key of the run)"), ("- 1\n", "expected a flat mapping"),
+                          ("app: vjepa\ndata:\n  batch_size: 4\n", "unknown key 'app' (a flat mapping: nested "
+                                                                    "sections, as in V-JEPA 2's")]:
         path.write_text(text)
         with pytest.raises(SystemExit) as exc:
             vj2.parse_args(["--config", str(path), "--processed_data_dir", "t", "--validation_data_dir", "v"])
@@ -258,6 +261,13 @@ def test_a_config_file_is_read_like_the_flags_and_a_run_records_one(tmp_path, ca
     (["--validation_data_dir", "v"], "--processed_data_dir and --validation_data_dir are required"),
     (["--evaluate", "x.pt"], "--evaluate needs --validation_data_dir"),
     (["--processed_data_dir", "t", "--validation_data_dir", "v", "--shuffle_actions"], "only applies to --evaluate"),
+    # from a user test: these did nothing, and the result looked like the preset's or the data's
+    (["--evaluate", "x.pt", "--validation_data_dir", "v", "--preset", "small", "--depth", "5", "--batch_size", "2",
+      "--processed_data_dir", "t"], "error: --evaluate scores the checkpoint as it is: --preset --depth "
+                                    "--processed_data_dir are training flags, which it does not read; leave them out"),
+    (["--evaluate", "x.pt", "--validation_data_dir", "v", "--no_amp"], "--no_amp is a training flag"),
+    (["--processed_data_dir", "t", "--validation_data_dir", "v", "--no_amp", "--amp_dtype", "bf16"],
+     "--no_amp turns off the mixed precision that --amp_dtype bf16 asks for: give one"),
     (["--processed_data_dir", "t", "--validation_data_dir", "v", "--device", "cpu", "--dist-backend", "nccl"],
      "nccl needs CUDA"),
     (["--processed_data_dir", "t", "--validation_data_dir", "v", "--predictor_dim", "30", "--num_heads", "4"],
@@ -455,6 +465,38 @@ def test_evaluate_refuses_a_checkpoint_whose_rollout_horizon_is_not_positive(tmp
                                                      f"(ValueError: rollout_horizon must be an integer >= 1, got -1)\n")
 
 
+def test_init_from_fine_tunes_a_predictor_from_a_weights_file(tmp_path, no_launch_env, capsys):
+    """There was no way to start from a weights file (Meta's released predictor, say): --resume wants a state."""
+    make_vj2_data(tmp_path, 1, 8, 8)
+    data = ["--processed_data_dir", str(tmp_path / "train"), "--validation_data_dir", str(tmp_path / "val"),
+            "--device", "cpu", "--preset", "tiny", "--rollout_horizon", "1"]
+    assert vj2.main([*data, "--checkpoint_dir", str(tmp_path / "a"), "--max_steps", "4", "--val_every_iters", "4"]) == 0
+    final = tmp_path / "a" / "vjepa2_final.pt"
+    # a learning rate too small to move the weights: the first validation scores the file's weights
+    assert vj2.main([*data, "--checkpoint_dir", str(tmp_path / "b"), "--max_steps", "1", "--val_every_iters", "1",
+                     "--lr", "1e-12", "--init_from", str(final)]) == 0
+    first_val = [r for r in metrics(tmp_path / "b", "val")][0]["val_loss"]
+    assert first_val == pytest.approx(torch.load(final, weights_only=True)["val_loss"], rel=1e-5)
+    assert f"weights initialised from {final} (step 4 of the run that saved it)" in \
+        (tmp_path / "b" / "rank_0.log").read_text()
+    capsys.readouterr()
+    assert vj2.main([*data, "--checkpoint_dir", str(tmp_path / "c"), "--depth", "3", "--init_from", str(final)]) == 2
+    assert f"error: init_from {final}: its predictor_config differs from this model's (depth: 1 there, 3 here)" \
+        in capsys.readouterr().err
+
+
+def test_evaluate_names_a_checkpoint_of_the_language_model(tmp_path, no_launch_env, capsys):
+    """It said `not a usable predictor checkpoint (KeyError: 'predictor_config')` (from a user test)."""
+    gen.generate(tmp_path / "val", num_files=1, trajectories_per_file=4)
+    path = tmp_path / "model_final.pt"
+    torch.save({"model": {}, "global_step": 60, "model_config": {"vocab_size": 64}}, path)
+    code = vj2.main(["--evaluate", str(path), "--validation_data_dir", str(tmp_path / "val"), "--device", "cpu"])
+    assert code == 2 and capsys.readouterr().err == (
+        f"error: --evaluate {path}: holds no predictor (ddp_training.py's language model): its keys are "
+        f"['global_step', 'model', 'model_config']; expected a weights file of this script (keys 'predictor' and "
+        f"'predictor_config')\n")
+
+
 def test_a_failed_evaluation_is_one_line_and_debug_prints_its_traceback(tmp_path, no_launch_env, capsys, monkeypatch):
     """--evaluate has no run dir to log a traceback to: the error line says how to get it, and --debug prints it."""
     gen.generate(tmp_path / "val", num_files=1, trajectories_per_file=4)
@@ -466,10 +508,16 @@ def test_a_failed_evaluation_is_one_line_and_debug_prints_its_traceback(tmp_path
     def broken_loss(model, batch, rollout_horizon):
         raise ValueError("injected in the loss")
 
-    monkeypatch.setattr(vj2, "vj2_loss", broken_loss)
-    command = ["--evaluate", str(path), "--validation_data_dir", str(tmp_path / "val"), "--device", "cpu"]
-    assert vj2.main(command) == 1
+    (tmp_path / "val" / "junk.npz").write_bytes(b"not a zip")  # skipped: a warning line, as training logs it
+    command = ["--evaluate", str(path), "--validation_data_dir", str(tmp_path / "val"), "--device", "cpu",
+               "--skip_bad_files"]
+    assert vj2.main(command) == 0
     err = capsys.readouterr().err
+    assert err.startswith(f"WARNING: skipping bad data file: {tmp_path / 'val' / 'junk.npz'}") and \
+        "UserWarning" not in err and err.count("\n") == 1, err
+    monkeypatch.setattr(vj2, "vj2_loss", broken_loss)
+    assert vj2.main(command) == 1
+    err = capsys.readouterr().err.split("\n", 1)[1]  # after the skipped file's line
     assert err.startswith("error: rank 0: EvaluationFailed: evaluation failed on rank 0: ValueError: injected in the "
                           "loss (at test_vj2_training.py:") and err.endswith("; --debug prints its traceback\n"), err
     assert err.count("\n") == 1, err
