@@ -1190,9 +1190,9 @@ class DDPTrainer:
         self.log = rt.setup_logger(cfg.log_dir, env.rank, cfg.debug,
                                    named=f"checkpoint_dir {cfg.checkpoint_dir} (the log_dir too)" if one_dir else None)
         self._tb_writer = self._tensorboard_writer() if cfg.tensorboard else None
-        self.log.info("rank %d/%d, local_rank %d, device %s, backend %s, timeout %.0fs",
+        self.log.info("rank %d/%d, local_rank %d, device %s, backend %s, timeout %.0fs, %d CPU threads",
                       env.rank, env.world_size, env.local_rank, env.device, env.backend or "none (1 process)",
-                      cfg.dist_timeout)
+                      cfg.dist_timeout, torch.get_num_threads())
         # Rank 0 writes every checkpoint and the run's files, so all ranks stop on its answer. The log dir too:
         # an existing rank_0.log opens for appending in a dir where no file can be created, and metrics.jsonl,
         # config.yaml and the markers would fail later, with a traceback.

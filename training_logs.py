@@ -553,6 +553,19 @@ def training_failure(run: Run) -> Optional[str]:
     return None
 
 
+def set_up_failure(run: Run) -> Optional[str]:
+    """Why the newest launch of a run with records failed in set-up (a relaunch refused: another world size,
+    no state that loads): the run stays incomplete, and says why it did not go on."""
+    log = run.path / "rank_0.log"
+    try:
+        newest = launches(log)[-1]
+    except OSError:
+        return None
+    if not any(SET_UP_FAILURE.search(line) for line in newest):
+        return None
+    return f"its newest launch failed in set-up: {first_error(log)}"
+
+
 def summarize(run: Run) -> dict:
     """One run's headline numbers. Without a summary record (still running, killed, or failed) they are
     rebuilt from the train/val records and the status is "incomplete", or "failed" with the `error` its
@@ -576,10 +589,12 @@ def summarize(run: Run) -> dict:
     else:  # still running: the steps' samples over their time (so the harmonic mean of their rates, the
         # global batch being fixed), which leaves out validation and checkpoints
         rate = statistics.harmonic_mean(rates) if rates else None
-    error = None if s else training_failure(run)
+    failure = None if s else training_failure(run)
+    error = failure or (None if s else set_up_failure(run))  # a refused relaunch leaves the run incomplete
+    status = s.get("status", FAILED if failure else "incomplete")
     return {
         "name": run.name,
-        "status": s.get("status", FAILED if error else "incomplete"),
+        "status": status,
         "steps": steps,
         "sessions": run.sessions,
         "final_val_loss": final_val_loss(run),

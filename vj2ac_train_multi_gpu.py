@@ -621,11 +621,9 @@ def _console_log(name: str, shown: bool) -> logging.Logger:
     """Where --evaluate reports what training would log (skipped files; with --debug, a failed evaluation's
     traceback): stderr, as it has no run dir to log to."""
     log = logging.getLogger(f"vj2ac.evaluate.{name}")
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
-        log.addHandler(handler)
-        log.propagate = False
+    handler = logging.StreamHandler(sys.stderr)  # this call's stderr (main() may run more than once in a process)
+    handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+    log.handlers, log.propagate = [handler], False
     log.setLevel(logging.INFO if shown else logging.CRITICAL + 1)
     return log
 

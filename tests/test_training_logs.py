@@ -660,6 +660,23 @@ def test_a_run_whose_newest_launch_failed_in_training_says_failed_and_why(tmp_pa
     assert tl.summarize(tl.load_run(d))["error"].startswith("rank 0: training failed after step 5")
 
 
+def test_a_run_whose_relaunch_failed_in_set_up_stays_incomplete_and_says_why(tmp_path):
+    """A run killed at step 5 whose states no longer load: its relaunch failed in set-up, and the summary said
+    only "incomplete", as if a relaunch would go on (from a chaos test)."""
+    d = write_run(tmp_path / "r", train_recs(range(1, 6), spe=9))
+    start = "2026-11-27 10:00:00 [RANK 0] INFO: rank 0/1, local_rank 0, device cpu\n"
+    refused = ("2026-11-27 10:05:00 [RANK 0] ERROR: trainer set-up failed\nTraceback (most recent call last):\n"
+               "  File \"x.py\", line 1, in _resume\nddp_runtime.CheckpointError: none of the 2 resumable states in "
+               "ck loads (see the warnings above)\n")
+    (d / "rank_0.log").write_text(start + start + refused)
+    row = tl.summarize(tl.load_run(d))
+    assert (row["status"], row["steps"], row["error"]) == (
+        "incomplete", 5, "its newest launch failed in set-up: trainer set-up failed: ddp_runtime.CheckpointError: "
+                         "none of the 2 resumable states in ck loads (see the warnings above)")
+    (d / "rank_0.log").write_text(start + refused + start)  # relaunched since: that failure is older news
+    assert "error" not in tl.summarize(tl.load_run(d))
+
+
 def test_a_flag_is_no_metric_and_an_unknown_image_format_is_refused(runs, tmp_path, capsys):
     assert "skipped" not in tl.available_metrics([tl.load_run(runs / "lr_3e-3")])
     plt = tl._pyplot()
