@@ -180,7 +180,7 @@ def write_file(path, world, rng, n, steps, actions_per_step, channels, dtype, co
     states, actions = simulate(rng, n, steps, actions_per_step, channels)
     emb_shape = (n, steps, len(world.pos), world.w2.shape[1])
     # a killed process leaves a .tmp behind, never a half-written .npz that the loader would pick up
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # its own: several processes may write the same file
     try:
         with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED) as zf:
             write_npy_member(zf, "embeddings", emb_shape, dtype, embedding_chunks(world, states, rng, noise, dtype))

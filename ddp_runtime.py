@@ -738,11 +738,9 @@ def setup_logger(log_dir: str | os.PathLike, rank: int, debug: bool = False, nam
 
 
 def log_failure(logger: logging.Logger, message: str, exc: BaseException) -> None:
-    """An ERROR line on the console and in rank_N.log, with the traceback of `exc` in the file only."""
-    for h in logger.handlers:
-        in_file = isinstance(h, (logging.FileHandler, _KeptRecords))
-        exc_info = (type(exc), exc, exc.__traceback__) if in_file else None
-        h.handle(logger.makeRecord(logger.name, logging.ERROR, __file__, 0, message, None, exc_info))
+    """An ERROR line with the traceback of `exc`, in rank_N.log only: the console gets the failure once, as the
+    script's `error:` line (or, from the Python API, as the exception that ends train())."""
+    log_to_file(logger, logging.ERROR, message, (type(exc), exc, exc.__traceback__))
 
 
 def log_to_file(logger: logging.Logger, level: int, message: str, exc_info=None) -> None:

@@ -828,33 +828,43 @@ class StepAbandoned(rt.Failed):
     started reducing): the run ends here, and the others learn why from this rank's FAILED marker."""
 
 
-def init_weights_in(ckpt, weights_key: str, extra: dict) -> tuple:
+def init_weights_in(ckpt, weights_key: str, extra: dict, must_match: dict) -> tuple:
     """(the weights, a note of where they come from) in a file given as init_from: this kit's weights file (its
-    `weights_key`), a resumable state (its model) or a bare state dict. Its model settings (the dicts among the
-    trainer's checkpoint_extra, model_config or predictor_config) must be this model's, dropout aside: a count of
-    heads changes what the same shapes compute."""
+    `weights_key`), a resumable state (its model) or a bare state dict. The model's settings that the file
+    records must be this model's, dropout aside (a count of heads changes what the same shapes compute, an
+    action layout what the same inputs mean): a weights file's dict and list entries among the trainer's
+    checkpoint_extra (model_config; predictor_config, data_geometry), a state's must_match."""
     if not isinstance(ckpt, dict):
         raise ValueError(f"holds a {type(ckpt).__name__}; expected a checkpoint (a dict)")
+    state = {"model", "optimizer", "counters"} <= set(ckpt) and isinstance(ckpt["model"], dict)
     if isinstance(ckpt.get(weights_key), dict):
         weights = ckpt[weights_key]
-    elif {"model", "optimizer", "counters"} <= set(ckpt):
+    elif state:
         weights = ckpt["model"]
     elif ckpt and all(isinstance(v, torch.Tensor) for v in ckpt.values()):
         weights = ckpt
     else:
         raise ValueError(f"holds no weights under {weights_key!r} (its keys: {sorted(map(str, ckpt))[:8]}); "
                          f"expected a weights file of this model, a resumable state or a state dict")
-    for key, mine in extra.items():
-        theirs = ckpt.get(key)
+    if not all(isinstance(k, str) for k in weights):
+        raise ValueError("its weights are not a state dict (keys that are not parameter names)")
+    recorded, ours = (ckpt.get("must_match") or {}, must_match) if state else (ckpt, extra)
+    for key, mine in ours.items():
+        theirs = recorded.get(key)
         if isinstance(mine, dict) and isinstance(theirs, dict):
-            differ = sorted(k for k in mine.keys() | theirs.keys() if k != "dropout" and mine.get(k) != theirs.get(k))
-            if differ:
-                shown = ", ".join(f"{k}: {theirs.get(k)!r} there, {mine.get(k)!r} here" for k in differ)
-                raise ValueError(f"its {key} differs from this model's ({shown})")
+            differ = sorted((k for k in mine.keys() | theirs.keys() if k != "dropout" and mine.get(k) != theirs.get(k)),
+                            key=str)
+            shown = ", ".join(f"{k}: {theirs.get(k)!r} there, {mine.get(k)!r} here" for k in differ)
+        elif isinstance(mine, list) and isinstance(theirs, list):
+            differ, shown = mine != theirs, f"{theirs} there, {mine} here"
+        else:
+            continue
+        if differ:
+            raise ValueError(f"its {key} differs from this model's ({shown})")
     for prefix in ("module.", "_orig_mod."):  # saved from a DDP or a compiled model
         if weights and all(k.startswith(prefix) for k in weights):
             weights = {k[len(prefix):]: v for k, v in weights.items()}
-    step = ckpt.get("global_step")
+    step = (ckpt.get("counters") or {}).get("global_step") if state else ckpt.get("global_step")
     return weights, (f" (step {step} of the run that saved it)" if isinstance(step, int) else "")
 
 
@@ -993,6 +1003,8 @@ def next_micro_batches(batches, n: int, backstop_s: Optional[float] = None) -> l
 
 # What gloo says when a peer's end of the connection went away: it exited or was killed
 PEER_LOST_TEXT = ("connection closed by peer", "connection reset by peer")
+# where gloo's message of a lost peer turns to advice for its own bug reports (two wordings, and an emoji): cut there
+GLOO_ADVICE = re.compile(r"\.?\s*This is typically caused by a remote worker")
 # What gloo's failures say (its source path, or the peer's end); gloo raises them as plain RuntimeErrors, NCCL's
 # come as DistErrors. Matched only in a plain RuntimeError: a path or message of the run's own (an OSError
 # naming runs/gloo_test/metrics.jsonl) is no peer's failure.
@@ -1281,9 +1293,15 @@ class DDPTrainer:
                       cfg.batch_size * cfg.grad_accum_steps * env.world_size,
                       cfg.batch_size, cfg.grad_accum_steps, env.world_size)
         self._log_precision_and_schedule()
+        self.initialised_from: Optional[str] = None  # the init_from the run began with (a resume: its state's)
         self.resumed_from = self._resume()  # last: it restores the RNG streams set-up consumed
         if cfg.init_from and self.resumed_from is None:
             self._init_weights(cfg.init_from)
+            self.initialised_from = cfg.init_from
+        elif cfg.init_from and self.initialised_from != cfg.init_from:  # a fine-tuning meant to start afresh?
+            self.log.warning("init_from %s not read: this run resumed from its own state %s, which began from %s; "
+                             "another run_name (or resume none) starts from %s", cfg.init_from, self.resumed_from,
+                             self.initialised_from or "its own initialisation", cfg.init_from)
 
     def _log_precision_and_schedule(self) -> None:
         """What amp and the schedule settings come to here: amp_dtype fp16 on the CPU, say, is full precision."""
@@ -1868,10 +1886,10 @@ class DDPTrainer:
                     f"(a rank is stuck, dead or far slower); {rt.missing_ranks(5.0)}")
         elif any(t in str(exc).lower() for t in PEER_LOST_TEXT):
             text = (f"{where}: a peer was lost (it exited without a word or was killed: its exit status or "
-                    f"the kernel's log says why): {type(exc).__name__}: {exc}")
+                    f"the kernel's log says why): {type(exc).__name__}: {GLOO_ADVICE.split(str(exc))[0]}")
         else:
             text = f"{where}: {type(exc).__name__}: {exc}"
-        self.log.error(text)
+        rt.log_to_file(self.log, logging.ERROR, text)  # the console gets it once, as the run's error
         return StepFailed(text)
 
     def _count_data_errors(self, n: int) -> None:
@@ -1991,7 +2009,7 @@ class DDPTrainer:
                 "counters": {k: getattr(self, k) for k in self.STATE_COUNTERS},
                 "rng": per_rank_rng, "run": self._run_signature(), "seeded_samples": self._seeded_samples(),
                 "data_fingerprint": self.data_fingerprint, "must_match": self.resume_must_match,
-                "run_id": self.run_id}
+                "run_id": self.run_id, "init_from": self.initialised_from}
 
     def _check_data_fingerprint(self, saved, path: Path) -> None:
         """The training data of a state must be this run's (the built-in data's, or what data_fingerprint= gave):
@@ -2045,7 +2063,8 @@ class DDPTrainer:
         """A fresh run's weights from `path` (fine-tuning). Every rank reads the file, so every rank must find the
         same weights there; a file that does not fit the model is refused on every rank, naming what differs."""
         try:
-            weights, note = init_weights_in(rt.load_checkpoint(path), self.weights_key, self.checkpoint_extra)
+            weights, note = init_weights_in(rt.load_checkpoint(path), self.weights_key, self.checkpoint_extra,
+                                            self.resume_must_match)
             check_fit(weights, self.raw_model.state_dict())
             self.raw_model.load_state_dict(weights)
             error = None
@@ -2186,6 +2205,7 @@ class DDPTrainer:
         for k, v in counters.items():
             setattr(self, k, v)
         self.run_id = state.get("run_id", self.run_id)  # states before 27 Nov 2026 hold none: named from here on
+        self.initialised_from = state.get("init_from")
         mine = state["rng"][self.env.rank]
         self.loader_rng = dict(mine["loader"])
         rt.set_rng_state(mine, self.env.device)
@@ -2257,8 +2277,10 @@ class DDPTrainer:
 
     # -- validation and stopping -----------------------------------------------
 
-    def _validate(self) -> bool:
-        """Validate, save best, and return the (collective) decision to stop early."""
+    def _validate(self, save_point_follows: bool = False) -> bool:
+        """Validate, save best, and return the (collective) decision to stop early. `save_point_follows`: an
+        epoch's or the run's closing validation moved before this step's save point, whose files a failure here
+        still writes (a resumed run redoes such a validation; it does not redo a val_interval one)."""
         if self.val_loader is None:
             return False
         self.log.debug("[DDP] Rank %d: Entering validation at epoch %d, iter %d", self.env.rank, self.epoch,
@@ -2268,7 +2290,8 @@ class DDPTrainer:
         except EvaluationFailed as exc:
             self.log.error("validation at step %d: %s", self.global_step, exc)
             self._save_last_good()  # the weights of the steps so far are fine
-            if self._save_point() and self.state_step != self.global_step:  # the save point it came before
+            if save_point_follows:
+                self._save_weights_file(f"step_{self.global_step}")
                 self.save_state()
                 self.writer.flush()
             raise
@@ -2605,8 +2628,13 @@ class DDPTrainer:
     def _step_boundary(self, r: dict, stop_signal: rt.StopSignal) -> Optional[str]:
         """Validation and saves due at this step, then a stop if one is agreed; the status that ends the
         run, or None. The boundary work comes before a stop, so a resumed run repeats none of it."""
-        save_point = self._save_point()
-        early = self._validation_due(save_point) and self._validate()
+        save_point = bool(self.cfg.save_every_iters) and self.global_step % self.cfg.save_every_iters == 0
+        interval = bool(self.cfg.val_interval) and self.global_step % self.cfg.val_interval == 0
+        # A save point that the epoch's or the run's closing validation would follow at this step comes after it:
+        # its files and state are then written once, with the loss, instead of written and then again. Not at a
+        # stop, which must not wait for a validation; the resumed run redoes it, as it redoes those.
+        closing = save_point and not interval and not r["stop"] and self._closing_validation_follows()
+        early = (interval or closing) and self._validate(save_point_follows=closing)
         if save_point:
             self._save_weights_file(f"step_{self.global_step}")
             self.save_state()
@@ -2620,17 +2648,10 @@ class DDPTrainer:
             return self._interrupt(stop_signal)
         return None
 
-    def _save_point(self) -> bool:
-        return bool(self.cfg.save_every_iters) and self.global_step % self.cfg.save_every_iters == 0
-
-    def _validation_due(self, save_point: bool) -> bool:
-        """Every val_interval steps; and before a save point that the epoch's or the run's closing validation
-        would follow at the same step, so that its files and state are written once, with the loss, instead of
-        written and then again."""
-        if self.cfg.val_interval and self.global_step % self.cfg.val_interval == 0:
-            return True
+    def _closing_validation_follows(self) -> bool:
+        """The epoch's validation (val_interval 0) or the run's last one comes after this step."""
         epoch_ends = not self.cfg.val_interval and self.step_in_epoch >= self.steps_per_epoch
-        return save_point and (epoch_ends or self.global_step >= self.total_steps)
+        return epoch_ends or self.global_step >= self.total_steps
 
     def _end_epoch(self, validate: bool = True) -> Optional[str]:
         """An epoch ran to its end: per-epoch validation (unless its last step's save point came after one)

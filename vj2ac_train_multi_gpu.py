@@ -36,6 +36,7 @@ import numbers
 import sys
 from contextlib import contextmanager
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -290,6 +291,7 @@ def check_fits(predictor, geometry, flag, trained_on=None):
 
 # --test: a quick run; explicit flags still win
 TEST_DEFAULTS = dict(max_steps=20, val_every_iters=10, preset="tiny", run_name="vj2ac_test")
+TEST_DATA = "test_data"  # where --test without data dirs writes its synthetic set, in its run dir
 # default --lr per preset: the small ones train fast on the synthetic data; a 300M-parameter predictor needs a
 # conservative rate
 PRESET_LR = {"tiny": 1e-2, "small": 5e-3, "vjepa2_ac": 4e-4}
@@ -380,10 +382,16 @@ def parse_args(argv=None):
     for flag in ("processed_data_dir", "validation_data_dir", "evaluate", "checkpoint_dir", "log_dir"):
         if getattr(args, flag) == "":  # "$DIR" with DIR unset must not mean "the default"
             parser.error(f"--{flag} must be a path, got an empty string")
+    test_data = None
+    if args.test and not args.evaluate and args.processed_data_dir is None and args.validation_data_dir is None:
+        # --test alone trains on a tiny synthetic set, which it writes into its own run dir
+        test_data = Path(args.checkpoint_dir or f"checkpoints/{args.run_name}") / TEST_DATA
+        args.processed_data_dir, args.validation_data_dir = str(test_data / "train"), str(test_data / "val")
     # The run dir's config.yaml: the flags as given, before the preset and the device fill in the rest (so
     # another --preset over the file means that preset, and a GPU run's file loads on the CPU). How this
     # launch began is no property of the run: loaded again, the file continues it.
     run_config = {**{k: v for k, v in vars(args).items() if k not in NOT_RECORDED}, "resume": "auto"}
+    args.test_data = test_data
     for key, value in config.PREDICTOR_PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -398,7 +406,8 @@ def parse_args(argv=None):
                          f"{'is a training flag' if len(ignored) == 1 else 'are training flags'}, which it does not "
                          f"read; leave {'it' if len(ignored) == 1 else 'them'} out")
     elif not (args.processed_data_dir and args.validation_data_dir):
-        parser.error("--processed_data_dir and --validation_data_dir are required (unless --evaluate)")
+        parser.error("--processed_data_dir and --validation_data_dir are required (unless --evaluate, or --test "
+                     "with neither)")
     elif args.shuffle_actions:
         parser.error("--shuffle_actions only applies to --evaluate")
     if args.no_amp and args.amp_dtype in ("bf16", "fp16"):  # fp32 would be taken without a word
@@ -658,12 +667,29 @@ def evaluate(args, launch):
     return 0
 
 
+def write_test_data(data_dir: Path) -> None:
+    """--test's data, written once: the synthetic task at its small geometry, 2 training files and 1 validation
+    file of 8 trajectories. The ranks of a launch may write them at once: the same bytes, each rank through a
+    temporary file of its own."""
+    import create_synthetic_data as gen
+    for split, seed, files in (("train", 0, 2), ("val", 1, 1)):
+        out = data_dir / split
+        if not all((out / name).exists() for name in gen.file_names(split, files)):
+            gen.generate(out, num_files=files, trajectories_per_file=8, seed=seed, split=split)
+
+
 def main(argv=None):
     args = parse_args(argv)
     try:
         launch = rt.detect_launch_env()  # LOCAL_RANK from the environment wins over --local_rank
     except rt.LaunchEnvError as exc:  # every rank says it: each may have its own wrong number
         return rt.refuse(str(exc))
+    if args.test_data is not None:
+        try:
+            write_test_data(args.test_data)
+        except (OSError, ValueError) as exc:
+            return rt.refuse(f"--test: cannot write its synthetic data into {args.test_data}: "
+                             f"{type(exc).__name__}: {exc}")
     if args.evaluate:  # no save to stop at: a stop ends the evaluation, as it did before the early handlers
         rt.FirstSignal(EARLY_STOPS).release()
     try:

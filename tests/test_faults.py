@@ -921,6 +921,18 @@ def test_a_stopped_rank_turns_into_a_timeout_error_on_the_others(tmp_path):
         assert "rank(s) that did not answer within 5s: 1 (monitored_barrier)" in text, text[-2000:]
 
 
+@pytest.mark.parametrize("text", [
+    "[pair.cc:537] Read error [127.0.0.1]:9868: Connection reset by peer. This is typically caused by a remote worker "
+    "hanging or bugs in the application. Check the logs of the remote worker before reporting an error. GLHF!",
+    "[pair.cc:590] Connection closed by peer [127.0.0.1]:21122. This is typically caused by a remote worker "
+    "crashing. Check the logs of the remote worker before reporting an error. GLHF!"])
+def test_gloos_advice_is_cut_from_a_lost_peers_error(text):
+    """gloo's two wordings (a reset, a closed connection) each end in advice for its own bug reports."""
+    from ddp_training import GLOO_ADVICE
+    assert GLOO_ADVICE.split(text)[0].endswith(("Connection reset by peer", "Connection closed by peer "
+                                                                            "[127.0.0.1]:21122"))
+
+
 def test_a_killed_peer_ends_the_others_with_one_line_and_the_summary_says_why(tmp_path):
     """Rank 1 killed (SIGKILL) mid-training under torchrun: rank 0 ends with one `error:` line, which torchrun's
     failure summary shows too, instead of Python's traceback through the trainer's frames (that goes to
@@ -936,6 +948,8 @@ def test_a_killed_peer_ends_the_others_with_one_line_and_the_summary_says_why(tm
     assert len(errors) == 1 and errors[0].startswith("error: rank 0: StepFailed: step "), out[-3000:]
     assert "a peer was lost" in errors[0] and "[rank0]: Traceback" not in out, out[-3000:]
     assert f"traceback : {errors[0][:60]}" in out, out[-3000:]  # torchrun's summary, from the error file
+    # once each, without gloo's advice for its own bug reports (it said it three times, each with the advice)
+    assert out.count("a peer was lost") == 2 and "GLHF" not in out and "typically caused" not in out, out[-3000:]
     log = (tmp_path / "logs" / "rank_0.log").read_text()
     assert "training failed after step" in log and "Traceback (most recent call last)" in log, log[-3000:]
     row = training_logs.summarize(training_logs.load_run(tmp_path / "logs"))

@@ -67,6 +67,23 @@ def reference_1(tmp_path_factory):
     return final_weights(root)
 
 
+def test_a_stop_at_an_epoch_end_save_point_does_not_wait_for_the_epochs_validation(tmp_path, no_launch_env,
+                                                                                   reference_1):
+    """An epoch's validation comes before a save point at its last step (the files are then written once, with
+    the loss), but not at a stop: a scheduler's grace must not go to a validation, which the resume redoes."""
+    unbroken = DDPTrainer(config=cfg_for(tmp_path / "unbroken", save_every_iters=8)).train()
+    assert [r["step"] for r in metrics(tmp_path / "unbroken" / "logs", "val")] == [8, 16, 20]
+    assert torch.load(tmp_path / "unbroken" / "ckpt" / "model_step_8.pt", weights_only=True)["val_loss"] == \
+        pytest.approx([r["val_loss"] for r in metrics(tmp_path / "unbroken" / "logs", "val")][0])
+    first = DDPTrainer(config=cfg_for(tmp_path, save_every_iters=8), loss_fn=SignalAt(8)).train()
+    assert (first["status"], first["steps"]) == ("interrupted", 8) and metrics(tmp_path / "logs", "val") == []
+    second = DDPTrainer(config=cfg_for(tmp_path, save_every_iters=8)).train()
+    assert second["resumed_from"].endswith("model_state_step_8.pt")
+    assert [r["step"] for r in metrics(tmp_path / "logs", "val")] == [8, 16, 20]
+    assert_bit_identical(final_weights(tmp_path), reference_1)
+    assert second["final_val_loss"] == unbroken["final_val_loss"]
+
+
 def test_a_state_without_its_sidecar_resumes_with_a_warning(tmp_path, no_launch_env, reference_1):
     """A kill between a state's rename and its sidecar's leaves a state that loads unchecked: a chaos test
     resumed from such a file with a flipped byte without a word. The resume says it is unchecked."""

@@ -928,11 +928,20 @@ def test_init_from_starts_a_fresh_run_from_another_runs_weights(tmp_path, no_lau
         t = DDPTrainer(config={**tuned, **dirs(tmp_path / "c"), "resume": "none", "init_from": str(source)})
         assert t.evaluate()["loss"] == pytest.approx(first["final_val_loss"], rel=1e-6), source
         t.close()
+    state_6 = str(tmp_path / "a" / "ckpt" / "model_state_step_6.pt")
     for change, message in ((dict(num_heads=4), "its model_config differs from this model's (num_heads: 2 there, "
                                                 "4 here)"),
+                            # a state keeps the model's settings apart, where they were not compared (a review)
+                            (dict(num_heads=4, init_from=state_6), "its model differs from this model's "
+                                                                   "(num_heads: 2 there, 4 here)"),
                             (dict(init_from=str(tmp_path / "nowhere.pt")), "nowhere.pt does not exist")):
         with pytest.raises(ValueError, match=re.escape(message)):
             DDPTrainer(config={**tuned, **dirs(tmp_path / "d"), "init_from": str(moved), **change})
+    # a run dir that holds a run begun otherwise resumes it: the file is not read, and the log says so
+    DDPTrainer(config={**QUICK, **dirs(tmp_path / "e"), "max_steps": 2}).train()
+    DDPTrainer(config={**QUICK, **dirs(tmp_path / "e"), "max_steps": 3, "init_from": str(moved)}).close()
+    assert f"WARNING: init_from {moved} not read: this run resumed from its own state " in \
+        (tmp_path / "e" / "logs" / "rank_0.log").read_text()
     torch.save({"model": {"tok.weight": torch.zeros(3, 3)}}, tmp_path / "other.pt")
     with pytest.raises(ValueError, match=re.escape(f"init_from {tmp_path / 'other.pt'}: its weights do not fit this "
                                                    f"model: missing ['blocks.0.attn.proj.bias', ") + r".* \.\.\.; other "
@@ -940,14 +949,48 @@ def test_init_from_starts_a_fresh_run_from_another_runs_weights(tmp_path, no_lau
         DDPTrainer(config={**tuned, **dirs(tmp_path / "d"), "init_from": str(tmp_path / "other.pt")})
 
 
+def test_a_failed_validation_before_a_save_point_keeps_what_the_resume_needs(tmp_path, no_launch_env):
+    """The run's closing validation comes before a save point at its last step: when it fails, the step's files
+    and state are still written, and the relaunch redoes the validation there. A val_interval validation, which
+    no resume redoes, leaves no state at its step: the relaunch trains up to it again (from a review)."""
+    from ddp_training import EvaluationFailed, lm_loss
+    failures = []
+
+    def fails_once_in_evaluation(model, batch):
+        if not model.training and not failures:
+            failures.append(1)
+            raise ValueError("injected in the evaluation")
+        return lm_loss(model, batch)
+    closing = {**QUICK, **dirs(tmp_path / "closing"), "max_steps": 6, "save_every_iters": 6, "val_interval": 0}
+    with pytest.raises(EvaluationFailed, match="injected in the evaluation"):
+        DDPTrainer(config=closing, loss_fn=fails_once_in_evaluation).train()
+    ckpt = tmp_path / "closing" / "ckpt"
+    assert {"model_step_6.pt", "model_state_step_6.pt", "model_interrupted.pt"} <= {p.name for p in ckpt.iterdir()}
+    s = DDPTrainer(config=closing).train()
+    assert s["resumed_from"].endswith("model_state_step_6.pt") and s["status"] == "completed"
+    vals = metrics(tmp_path / "closing" / "logs", "val")
+    assert [r["step"] for r in vals] == [6]
+    assert torch.load(ckpt / "model_step_6.pt", weights_only=True)["val_loss"] == pytest.approx(vals[0]["val_loss"])
+
+    failures.clear()
+    interval = {**QUICK, **dirs(tmp_path / "interval"), "max_steps": 8, "save_every_iters": 4, "val_interval": 4}
+    with pytest.raises(EvaluationFailed):
+        DDPTrainer(config=interval, loss_fn=fails_once_in_evaluation).train()
+    assert not list((tmp_path / "interval" / "ckpt").glob("model_state_step_*.pt"))
+    assert DDPTrainer(config=interval).train()["status"] == "completed"
+    assert [r["step"] for r in metrics(tmp_path / "interval" / "logs", "val")] == [4, 8]
+
+
 def _init_from_per_rank(rank, world_size, root):
     """rank 1 is given another file: as on a node whose copy of the file differs"""
     name = "a" if rank == 0 else "b"
     cfg = {**QUICK, **dirs(Path(root) / "run"), "max_steps": 2, "init_from": str(Path(root) / f"{name}.pt")}
     try:
-        return DDPTrainer(rank=rank, world_size=world_size, config=cfg).train()["status"]
+        trainer = DDPTrainer(rank=rank, world_size=world_size, config=cfg)
     except ValueError as exc:
         return str(exc)
+    loaded = trainer.evaluate()["loss"]
+    return trainer.train()["status"], loaded
 
 
 @pytest.mark.multi
@@ -959,7 +1002,11 @@ def test_init_from_on_two_ranks_must_read_the_same_weights(tmp_path):
         f"init_from {tmp_path / 'a.pt' if r == 0 else tmp_path / 'b.pt'}: the ranks read different weights from it: "
         f"every rank reads the file itself, so on several nodes it must be the same file on each" for r in (0, 1)]
     (tmp_path / "b.pt").write_bytes((tmp_path / "a.pt").read_bytes())
-    assert spawn(_init_from_per_rank, 2, str(tmp_path), timeout=120) == ["completed"] * 2
+    results = spawn(_init_from_per_rank, 2, str(tmp_path), timeout=120)
+    one = DDPTrainer(config={**QUICK, **dirs(tmp_path / "one"), "init_from": str(tmp_path / "a.pt")})
+    assert [status for status, _ in results] == ["completed"] * 2
+    assert [loss for _, loss in results] == [pytest.approx(one.evaluate()["loss"], rel=1e-6)] * 2  # a.pt's weights
+    one.close()
     state = torch.load(tmp_path / "run" / "ckpt" / "model_state_step_2.pt", weights_only=True)
     start = torch.load(tmp_path / "a.pt", weights_only=True)["model"]
     assert all(not torch.equal(state["model"][k], start[k]) for k in ("tok.weight", "head.weight"))  # trained on
