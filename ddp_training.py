@@ -2637,7 +2637,8 @@ class DDPTrainer:
         early = (interval or closing) and self._validate(save_point_follows=closing)
         if save_point:
             self._save_weights_file(f"step_{self.global_step}")
-            self.save_state()
+            if not self._epoch_save_follows():  # the epoch's end saves this step's state (and its own counters)
+                self.save_state()
         if r["write_failed"] or self.writer.retry_pending:
             self._save_again_after_a_failed_write()
         if r["metrics_failed"]:
@@ -2647,6 +2648,11 @@ class DDPTrainer:
         if r["stop"]:
             return self._interrupt(stop_signal)
         return None
+
+    def _epoch_save_follows(self) -> bool:
+        """This step ends an epoch whose end saves (save_interval): its files and a state come after it."""
+        interval = self.cfg.save_interval
+        return bool(interval) and self.step_in_epoch >= self.steps_per_epoch and (self.epoch + 1) % interval == 0
 
     def _closing_validation_follows(self) -> bool:
         """The epoch's validation (val_interval 0) or the run's last one comes after this step."""

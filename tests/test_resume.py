@@ -84,6 +84,19 @@ def test_a_stop_at_an_epoch_end_save_point_does_not_wait_for_the_epochs_validati
     assert second["final_val_loss"] == unbroken["final_val_loss"]
 
 
+def test_a_save_point_at_an_epochs_saving_end_writes_one_state(tmp_path, no_launch_env, reference_1):
+    """A save point at an epoch's last step wrote the state, and the epoch's end (save_interval) wrote it again
+    after the validation (from a review): one write, at the epoch's end. A stop at the next step resumes
+    bit-exactly from it."""
+    first = DDPTrainer(config=cfg_for(tmp_path, save_every_iters=8, save_interval=1), loss_fn=SignalAt(12)).train()
+    assert first["status"] == "interrupted"
+    log = (tmp_path / "logs" / "rank_0.log").read_text()
+    assert log.count("writing (in the background) resumable state") == 2, log  # steps 8 and 12
+    assert log.count("model_state_step_8.pt (step 8, epoch 2, 0 steps into the epoch)") == 1, log
+    DDPTrainer(config=cfg_for(tmp_path, save_every_iters=8, save_interval=1)).train()
+    assert_bit_identical(final_weights(tmp_path), reference_1)
+
+
 def test_a_state_without_its_sidecar_resumes_with_a_warning(tmp_path, no_launch_env, reference_1):
     """A kill between a state's rename and its sidecar's leaves a state that loads unchecked: a chaos test
     resumed from such a file with a flipped byte without a word. The resume says it is unchecked."""
