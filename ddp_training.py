@@ -1182,6 +1182,7 @@ class DDPTrainer:
     def _build(self, model, train_dataset, val_dataset, test_dataset, loss_fn, collate_fn,
                checkpoint_extra, weights_key, count_unit, describe):
         cfg, env = self.cfg, self.env
+        self._check_ranks_have_the_same_config()
         # released when train() ends (or by close()); before the logger, so that a refused run writes nothing
         self.run_lock = rt.RunDirLock(cfg.log_dir, cfg.checkpoint_dir)
         holder = rt.broadcast_object(self.run_lock.acquire(rt.run_identity()) if env.is_main else None)
@@ -1316,6 +1317,26 @@ class DDPTrainer:
         if cfg.warmup_steps >= self.total_steps:
             self.log.warning("warmup_steps=%d is not below the run's %d steps: the learning rate never gets past its "
                              "warm-up", cfg.warmup_steps, self.total_steps)
+
+    # Settings a rank (a node) may have of its own: its loader workers, how long it waits, its logs and memory
+    # readings, its paths (each node's copy of the data, of the init_from file, its dirs: what they hold is
+    # compared where it is read)
+    OWN_SETTINGS = ("debug", "num_workers", "pin_memory", "loader_timeout", "dist_timeout", "first_step_timeout",
+                    "log_interval", "tensorboard", "memory_check_interval", "cleanup_interval", "max_memory_gb",
+                    "log_dir", "checkpoint_dir", "data", "init_from")
+
+    def _check_ranks_have_the_same_config(self) -> None:
+        """Every other setting must be the same on every rank: nodes launched with other flags (max_steps, say)
+        took other schedules and step counts, and failed later on diverged replicas or a collective that timed
+        out, neither naming the flag."""
+        if not self.env.is_distributed:
+            return
+        mine = {k: v for k, v in dataclasses.asdict(self.cfg).items() if k not in self.OWN_SETTINGS}
+        every = rt.gather_objects(mine)
+        differ = [k for k in mine if any(e.get(k) != every[0].get(k) for e in every)]
+        if differ:
+            raise ValueError(f"the ranks were given different settings: {'; '.join(_by_value(every, k) for k in differ)}"
+                             f". Give every rank (every node's launcher) the same flags and config file")
 
     def _check_ranks_have_the_same_data(self, train_dataset, val_dataset, test_dataset) -> None:
         """Each rank reads its own copy of the data (a node-local copy, a file skipped as bad on one rank only,
@@ -3341,8 +3362,10 @@ def main(argv: Optional[list] = None) -> int:
         return rt.refuse(str(exc))
     if args.nproc > 1:
         if "TORCHELASTIC_RUN_ID" in os.environ:  # even one worker: torchrun's restarts and stops would miss them
+            launcher = ("give launch_training.sh --nproc {n} (before its --)" if os.environ.get("DDP_KIT_LAUNCH_ID")
+                        else "give torchrun --nproc_per_node={n}")
             return rt.refuse(f"--nproc {args.nproc} spawns its own processes inside a torchrun worker, beyond "
-                             f"torchrun's restarts and stops; give torchrun --nproc_per_node={args.nproc} instead")
+                             f"torchrun's restarts and stops; {launcher.format(n=args.nproc)} instead")
         if launch["world_size"] > 1:
             return rt.refuse("--nproc spawns its own processes; do not combine it with torchrun/srun")
         return spawn_local(args.nproc, cfg, early=rt.FirstSignal(EARLY_STOPS))

@@ -31,6 +31,8 @@ Usage: ./launch_training.sh [OPTIONS] [-- SCRIPT_ARGS...]
                             --nnodes > 1 the nodes then meet through c10d rendezvous on
                             --master-addr:--master-port (torchrun numbers the nodes itself), since
                             static rendezvous cannot restart across nodes
+      --rdzv-timeout SEC    multi-node: how long torchrun waits for every node's launcher to meet
+                            (default 600, torchrun's own), before any worker starts
   -h, --help                show this help
 
 GPUs are counted with nvidia-smi, or with torch.cuda.device_count() where nvidia-smi is missing or fails.
@@ -71,7 +73,7 @@ say() { printf 'launch_training.sh: %s\n' "$*" >&2 2>/dev/null || true; }
 die() { say "error: $*"; exit 2; }
 
 gpus="" batch="" epochs="" log_dir="" ckpt_dir="" cpu=0 nproc="" test_mode=0 debug=0
-script="ddp_training.py" nnodes=1 node_rank="" master_addr="" master_port=29500 max_restarts=0
+script="ddp_training.py" nnodes=1 node_rank="" master_addr="" master_port=29500 max_restarts=0 rdzv_timeout=600
 script_args=() rendezvous_given=()  # --master-addr/--master-port as given, for the single-node note
 
 need() {
@@ -98,6 +100,7 @@ while [[ $# -gt 0 ]]; do
         --nnodes)            need "$@"; nnodes="$2"; shift 2 ;;
         --node-rank)         need "$@"; node_rank="$2"; shift 2 ;;
         --master-addr)       need "$@"; master_addr="$2"; rendezvous_given+=("$1 $2"); shift 2 ;;
+        --rdzv-timeout)      need "$@"; rdzv_timeout="$2"; shift 2 ;;
         --master-port)       need "$@"; master_port="$2"; rendezvous_given+=("$1 $2"); shift 2 ;;
         --max-restarts)      need "$@"; max_restarts="$2"; shift 2 ;;
         -h|--help)           usage; exit 0 ;;
@@ -107,7 +110,7 @@ while [[ $# -gt 0 ]]; do
 done
 
 for pair in batch-size:batch epochs:epochs nproc:nproc nnodes:nnodes node-rank:node_rank \
-            master-port:master_port max-restarts:max_restarts; do
+            master-port:master_port max-restarts:max_restarts rdzv-timeout:rdzv_timeout; do
     flag=${pair%%:*} var=${pair#*:}
     value=${!var}
     [[ -n "$value" ]] || continue
@@ -115,6 +118,7 @@ for pair in batch-size:batch epochs:epochs nproc:nproc nnodes:nnodes node-rank:n
     printf -v "$var" '%s' "$number"
 done
 [[ "$nproc" != 0 ]] || die "--nproc must be >= 1"  # before the cores are shared out by it
+(( rdzv_timeout >= 1 )) || die "--rdzv-timeout must be >= 1 second"
 # a TCP port: torchrun would only fail on it with a traceback, after the checks below passed
 (( master_port >= 1 && master_port <= 65535 )) || die "--master-port must be a TCP port in 1..65535, got $master_port"
 grace=$(to_uint "${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}") || die "TORCH_ELASTIC_SHUTDOWN_TIMEOUT expects" \
@@ -141,6 +145,12 @@ stop_signal() { case $1 in HUP|QUIT|INT) echo TERM ;; *) echo "$1" ;; esac; }
 # From here on: a stop while the GPUs are counted (torch imports for seconds without nvidia-smi) is kept
 # and answered below, before torchrun starts
 for sig in TERM INT HUP QUIT USR1; do trap "forward $sig" "$sig"; done
+stop_if_stopped() {
+    if [[ -n "$forwarded" ]]; then
+        say "stopped by SIG$forwarded before torchrun started: nothing ran; relaunch the same command"
+        exit 75
+    fi
+}
 
 # The kit's scripts live next to the launcher: `--script ddp_training.py` (the default) must work from
 # any directory, while a script in the current directory still wins.
@@ -188,7 +198,8 @@ device_args=()
 if (( cpu == 0 )); then
     # The GPUs this job may use: those CUDA_VISIBLE_DEVICES names when a scheduler (SLURM, Docker) set it,
     # else every GPU nvidia-smi sees. --gpus ids count within them, as CUDA numbers them.
-    detected=$(detected_gpus)
+    detected=$(detected_gpus) || true  # a stop to this process group ends the count too: answered below
+    stop_if_stopped
     visible=()
     if [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then
         # CUDA stops at the first entry that names no GPU: "-1" (the usual "hide them all") leaves none;
@@ -220,6 +231,7 @@ if (( cpu == 0 )); then
         seen=","
         chosen=()
         for given in "${ids[@]}"; do
+            given=${given// /}  # "0, 1", as CUDA_VISIBLE_DEVICES may be written
             id=$(to_uint "$given") || die "--gpus: '$given' is not a GPU id"
             (( id < available )) || die "--gpus: GPU $id does not exist ($available GPU(s) visible)"
             [[ "$seen" != *",$id,"* ]] || die "--gpus: GPU $id listed twice"
@@ -295,6 +307,13 @@ elif (( max_restarts > 0 )); then
                --rdzv_id "${SLURM_JOB_ID:-ddp-kit-$master_port}")
 else
     launcher+=(--nnodes "$nnodes" --node_rank "$node_rank" --master_addr "$master_addr" --master_port "$master_port")
+fi
+if (( nnodes > 1 )); then
+    # how long torchrun's agents wait for every node's agent (static rendezvous: timeout; c10d: join_timeout),
+    # before any worker exists: the trainers' --dist_timeout cannot bound it
+    launcher+=(--rdzv_conf "timeout=$rdzv_timeout,join_timeout=$rdzv_timeout")
+    say "waiting up to ${rdzv_timeout}s for the launchers of all $nnodes nodes to meet at" \
+        "$master_addr:$master_port (--rdzv-timeout)"
 fi
 # SLURM can announce the end of a job with SIGUSR1 (--signal=USR1@...): forward it like SIGTERM. The `--`
 # ends torchrun's options: without it, its parser (argparse) reads every --flag of the command line, the
@@ -377,10 +396,7 @@ export DDP_KIT_LAUNCH_ID
 # only this script, which forwards it once, and not torchrun as well. Bash starts background jobs with
 # SIGINT and SIGQUIT ignored and stdin on /dev/null: torchrun gets the defaults and the real stdin back
 # (a breakpoint() in a worker can read the terminal).
-if [[ -n "$forwarded" ]]; then
-    say "stopped by SIG$forwarded before torchrun started: nothing ran; relaunch the same command"
-    exit 75
-fi
+stop_if_stopped
 "$python" -c 'import ctypes, os, signal, sys
 os.setsid()
 for s in (signal.SIGINT, signal.SIGQUIT):
@@ -423,6 +439,11 @@ refused = isinstance(reason, dict) and (reason.get("errorCode") == 2 or reason.g
 print(2 if refused else "")' "$TORCHELASTIC_ERROR_FILE")" == 2 ]]; then
     say "the script refused its input (exit 2, the error above): exiting 2"
     exit 2
+fi
+if (( status != 0 && nnodes > 1 )) && [[ -z "$forwarded" && -z "$(new_marker metrics.jsonl)" ]]; then
+    say "torchrun exited $status before any rank began training: if the nodes did not all meet within" \
+        "--rdzv-timeout ${rdzv_timeout}s (its error above: 'clients joined', a rendezvous timeout), start every" \
+        "node's launcher within that time, with the same --nnodes, --master-addr and --master-port"
 fi
 if (( status != 0 )) && [[ -n "$forwarded" ]]; then
     # training never began (no start record of this launch): the ranks died of the signal while importing

@@ -217,12 +217,24 @@ def _own_copy(rank, world_size, root, configs):
 
 
 def test_ranks_given_other_sizes_of_data_are_refused_at_set_up(tmp_path):
-    # a rank that skipped a bad file of its copy: 192 training windows against 256 (and as many held out)
+    # a rank whose copy of the file is cut short (a copy still being written)
+    text = bytes(range(32, 127)) * 40
+    (tmp_path / "a.txt").write_bytes(text)
+    (tmp_path / "b.txt").write_bytes(text[:3000])
+    configs = [{"data": str(tmp_path / name), "seq_len": 16, "vocab_size": 256} for name in ("a.txt", "b.txt")]
+    r0, r1 = spawn(_own_copy, 2, str(tmp_path), configs, timeout=60)
+    for said in (r0, r1):
+        assert re.match(r"DataMismatch: the ranks were given different data: training samples: rank 0 (\d+), rank 1 "
+                        r"(\d+); validation samples: .*; training data fingerprint: rank 0 ", said), said
+        assert "Each rank reads its own copy (this rank's: --data " in said, said
+    sizes = re.match(r".*training samples: rank 0 (\d+), rank 1 (\d+);", r0).groups()
+    assert int(sizes[0]) > int(sizes[1]), r0
+
+
+def test_ranks_given_other_settings_of_the_built_in_data_are_refused_naming_them(tmp_path):
     r0, r1 = spawn(_own_copy, 2, str(tmp_path), [{}, {"dataset_size": 192}], timeout=60)
-    assert r0 == r1, (r0, r1)
-    assert r0.startswith("DataMismatch: the ranks were given different data: training samples: rank 0 256, "
-                         "rank 1 192; training data fingerprint: rank 0 "), r0
-    assert r0.endswith("Each rank reads its own copy: give every rank the same files"), r0
+    assert r0 == r1 == ("ValueError: the ranks were given different settings: dataset_size: rank 0 256, rank 1 192. "
+                        "Give every rank (every node's launcher) the same flags and config file"), (r0, r1)
 
 
 def test_ranks_given_other_contents_of_one_size_are_refused_at_set_up(tmp_path):

@@ -358,6 +358,32 @@ def test_a_stop_while_the_gpus_are_counted_exits_75_before_torchrun_starts(tmp_p
     assert "[--standalone]" not in out
 
 
+def test_a_stop_to_the_launchers_process_group_while_the_gpus_are_counted_exits_75(tmp_path, fake_bin):
+    """A Ctrl-C reaches the whole group: the counting subshell died of it, and set -e ended the launcher with 143
+    and no word, where a stop to the launcher alone exits 75 (from a launcher test)."""
+    executable(fake_bin / "nvidia-smi", "#!/bin/sh\ntouch ready\nsleep 5\necho 0\n")
+    proc = subprocess.Popen(["bash", LAUNCHER, "--test"], cwd=tmp_path, env=fake_env(fake_bin), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 20
+        while not (tmp_path / "ready").exists():
+            assert time.time() < deadline and proc.poll() is None, "the GPUs were not counted"
+            time.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == EXIT_PREEMPTED and "stopped by SIGTERM before torchrun started: nothing ran" in out, out
+    assert "[--standalone]" not in out
+
+
+def test_gpu_ids_may_be_written_with_spaces(tmp_path, fake_bin):
+    fake_nvidia_smi(fake_bin, 2)
+    r = launch(["--gpus", "0, 1"], tmp_path, fake_bin)
+    assert r.returncode == 0 and "CUDA_VISIBLE_DEVICES=0,1" in r.stdout and "[--nproc_per_node][2]" in r.stdout, \
+        r.stdout
+
+
 def test_numbers_are_read_as_decimal(tmp_path, fake_bin):
     r = launch(["--cpu", "--nproc", "08", "-e", "010"], tmp_path, fake_bin)
     assert r.returncode == 0 and "[--nproc_per_node][8]" in r.stdout and "[--num_epochs][10]" in r.stdout, r.stdout
@@ -648,6 +674,23 @@ def test_two_nodes_with_max_restarts_recover_from_a_killed_worker(tmp_path):
     assert [r["step"] for r in metrics(tmp_path / "logs", "train")] == list(range(1, 121))
 
 
+@pytest.mark.multi
+def test_a_node_that_never_starts_ends_the_other_within_the_rendezvous_timeout_saying_so(tmp_path):
+    """Node 1 never launched: node 0 waited in torchrun's rendezvous for 600 s with no word, which no trainer
+    timeout bounds (from a launcher test); --rdzv-timeout bounds it, and the launcher says what to do."""
+    env = clean_env(PYTHON=sys.executable, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+                    OMP_NUM_THREADS=1)
+    t0 = time.time()
+    r = run(["bash", LAUNCHER, "--cpu", "--nproc", "1", "--nnodes", "2", "--node-rank", "0", "--master-addr",
+             "127.0.0.1", "--master-port", str(free_ports(1)[0]), "--rdzv-timeout", "5", "-l", "logs", "--",
+             "--test"], cwd=tmp_path, timeout=120, env=env)
+    assert r.returncode == 1 and time.time() - t0 < 90, r.stdout[-3000:]
+    assert "waiting up to 5s for the launchers of all 2 nodes to meet at 127.0.0.1:" in r.stdout, r.stdout[-3000:]
+    assert "1/2 clients joined" in r.stdout, r.stdout[-3000:]  # torchrun's own error
+    assert r.stdout.rstrip().endswith("start every node's launcher within that time, with the same --nnodes, "
+                                      "--master-addr and --master-port"), r.stdout[-3000:]
+
+
 # -- SLURM ---------------------------------------------------------------------------------------------------
 
 def sbatch(tmp_path, fake_bin, marker: bool, extra=(), kit=REPO, status=75, **env):
@@ -701,6 +744,25 @@ def test_slurm_job_meets_on_its_first_node_and_srun_gets_every_flag_whole(tmp_pa
     # one failed task ends the step, instead of its peers waiting for it until the time limit
     assert r.stdout.startswith("MASTER_ADDR=node1 MASTER_PORT=23456\n[--kill-on-bad-exit=1]"), r.stdout
     assert "[--max_steps][10][--config][my configs/lm.yaml]\n" in r.stdout, r.stdout
+
+
+def test_slurm_requeues_when_the_batch_shell_is_signalled_too(tmp_path, fake_bin):
+    """A stop to the batch shell itself (scancel --full or --batch, --signal=B:...) ended it at once: the tasks
+    saved, but nothing requeued the job (from a launcher test). The shell passes it on to srun and waits."""
+    sbatch(tmp_path, fake_bin, marker=False)  # writes the fakes; srun is then replaced by one that waits
+    executable(fake_bin / "srun", '#!/bin/bash\nwhile [[ $1 != --log_dir ]]; do shift; done\n'
+                                  'trap \'mkdir -p "$2"; echo "{}" > "$2/PREEMPTED"; exit 75\' TERM\n'
+                                  'touch srun_ready; for _ in $(seq 300); do sleep 0.1; done; exit 0\n')
+    env = clean_env(PATH=f"{fake_bin}:/usr/bin:/bin", SLURM_JOB_NAME="ddp-train", SLURM_JOB_ID="4242",
+                    SLURM_JOB_NODELIST="node[1-2]", KIT_DIR=str(REPO))
+    with background(["bash", SBATCH, "--max_steps", "10"], tmp_path, env=env) as proc:
+        deadline = time.time() + 20
+        while not (tmp_path / "srun_ready").exists():
+            assert time.time() < deadline and proc.poll() is None, "srun did not start"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)  # the batch shell only: `B:`
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == EXIT_PREEMPTED and "scontrol requeue 4242" in out, out
 
 
 def test_slurm_requeues_on_the_marker_whatever_srun_exits(tmp_path, fake_bin):

@@ -981,6 +981,25 @@ def test_a_failed_validation_before_a_save_point_keeps_what_the_resume_needs(tmp
     assert [r["step"] for r in metrics(tmp_path / "interval" / "logs", "val")] == [4, 8]
 
 
+def _other_settings_on_rank_1(rank, world_size, root):
+    cfg = {**QUICK, **dirs(Path(root)), "max_steps": 40 if rank else 60, "grad_clip": 0.5 if rank else 1.0,
+           "num_workers": rank}  # a node's own loader workers are its business
+    try:
+        return DDPTrainer(rank=rank, world_size=world_size, config=cfg).train()["status"]
+    except ValueError as exc:
+        return str(exc)
+
+
+@pytest.mark.multi
+def test_ranks_given_other_settings_are_refused_at_set_up_naming_them(tmp_path):
+    """Two nodes launched with other max_steps failed at the first save with diverged replicas (other schedules),
+    or waited out dist_timeout when one ran out of steps, naming neither flag (from a launcher test)."""
+    assert spawn(_other_settings_on_rank_1, 2, str(tmp_path), timeout=120) == [
+        "the ranks were given different settings: grad_clip: rank 0 1.0, rank 1 0.5; max_steps: rank 0 60, rank 1 40. "
+        "Give every rank (every node's launcher) the same flags and config file"] * 2
+    assert not (tmp_path / "logs").exists()  # refused before anything is written
+
+
 def _init_from_per_rank(rank, world_size, root):
     """rank 1 is given another file: as on a node whose copy of the file differs"""
     name = "a" if rank == 0 else "b"
