@@ -263,18 +263,27 @@ def scan_values(path, zf, key, member):
     the same pass gathers each channel's min and max, checked against config.ACTION_VALUE_RANGE at the end.
     """
     extrema = {}  # channel -> (min, max), actions only
+    # a token whose D values are all equal layer-norms to 0: a file of only such tokens has nothing to predict
+    varies = key != "embeddings" or member.fortran_order  # (a Fortran-order chunk holds no whole tokens)
     for start, values in read_chunks(path, zf, key, member):
         bad = ~np.isfinite(values)
         if bad.any():
             row = math.prod(member.shape[1:])
             where = "" if member.fortran_order else f" (first in trajectory {(start + int(bad.argmax())) // row})"
             raise DataFileError(f"{path}: key '{key}' contains NaN or inf{where}; expected finite values")
+        if not varies:  # checked until one token varies: a chunk of real embeddings at once
+            tokens = values.reshape(-1, member.shape[-1])
+            varies = bool((tokens != tokens[:, :1]).any())
         if key == "actions":
             for channel, (lo, hi) in channel_extrema(member, start, values).items():
                 old_lo, old_hi = extrema.get(channel, (lo, hi))
                 extrema[channel] = (min(lo, old_lo), max(hi, old_hi))
     if key == "actions":
         check_action_range(path, extrema)
+    if not varies:
+        raise DataFileError(f"{path}: key 'embeddings': every token's D={member.shape[-1]} values are equal (constant "
+                            f"or zero embeddings); the predictor layer-norms tokens over D, which makes each 0, "
+                            f"so there is nothing to predict; expected encoder embeddings")
 
 
 def read_chunks(path, zf, key, member):

@@ -469,6 +469,12 @@ def write_nan(p):
     np.savez(p, embeddings=emb, actions=act)
 
 
+def write_constant_tokens(p):
+    emb, act = good()
+    emb[...] = np.arange(emb.shape[0] * emb.shape[1] * emb.shape[2]).reshape(emb.shape[:3])[..., None] % 7
+    np.savez(p, embeddings=emb, actions=act)
+
+
 def write_int_actions(p):
     np.savez(p, embeddings=good()[0], actions=(good()[1] > 0.5).astype(np.int32))
 
@@ -577,6 +583,9 @@ BAD_FILES = {
     "too_few_steps": (write_too_few_steps, ["key 'actions'", "has 2 steps", "expected T-1 = 3"]),
     "int_dtype": (write_int_dtype, ["key 'embeddings'", "dtype int32", "expected float16 or float32"]),
     "nan": (write_nan, ["key 'embeddings'", "NaN or inf", "trajectory 1", "expected finite"]),
+    # each token constant over D (zeros, a fill value): trained without a word on nothing (from a user test)
+    "constant_tokens": (write_constant_tokens, ["key 'embeddings'", "every token's D=32 values are equal",
+                                                "nothing to predict"]),
     "int_actions": (write_int_actions, ["key 'actions'", "dtype int32", "expected float16 or float32"]),
     "nan_action": (write_nan_action, ["key 'actions'", "NaN or inf", "trajectory 1", "expected finite"]),
     "no_action_samples": (write_no_action_samples, ["'actions' (2, 3, 0, 3)", "empty dimension",
@@ -676,7 +685,8 @@ def test_data_fingerprint_is_equal_for_copies_and_other_layouts_of_the_same_arra
 
 def test_high_compression_ratio_is_refused(tmp_path):
     path = tmp_path / "zeros.npz"
-    np.savez_compressed(path, embeddings=np.zeros((64, 4, 16, 32), np.float16), actions=good(64)[1])
+    pattern = np.broadcast_to(np.arange(32, dtype=np.float16) % 2, (64, 4, 16, 32))  # tokens vary over D, repeat
+    np.savez_compressed(path, embeddings=pattern, actions=good(64)[1])
     validate_npz(path)
     with pytest.raises(DataFileError, match="key 'embeddings'.*zip bomb"):
         validate_npz(path, max_ratio=10)
@@ -766,7 +776,8 @@ def test_action_range_is_checked_per_channel_in_any_chunk_and_layout(tmp_path, m
 
 def test_geometry_mismatch_names_both_files(tmp_path):
     gen.generate(tmp_path, num_files=1, trajectories_per_file=2, **SMALL)
-    np.savez(tmp_path / "zz_other.npz", embeddings=np.zeros((2, 4, 16, 8), np.float16), actions=good()[1])
+    np.savez(tmp_path / "zz_other.npz", embeddings=np.random.default_rng(0).standard_normal((2, 4, 16, 8)).astype(
+        np.float16), actions=good()[1])
     with pytest.raises(DataFileError) as err:
         VJ2TrajectoryDataset(tmp_path)
     message = str(err.value)
