@@ -440,6 +440,13 @@ print(2 if refused else "")' "$TORCHELASTIC_ERROR_FILE")" == 2 ]]; then
     say "the script refused its input (exit 2, the error above): exiting 2"
     exit 2
 fi
+# A stop this launcher did not pass on (one that reached another node's launcher, or the ranks themselves), or
+# torchrun's SIGTERM to the others after a rank failed: not a preemption here, but the state is on disk
+if (( status != 0 )) && [[ -z "$forwarded" ]] && marker=$(new_marker PREEMPTED) && [[ -n "$marker" ]]; then
+    say "torchrun exited $status; the run saved and left a PREEMPTED marker of this launch ($marker): a stop" \
+        "reached another node's launcher or the ranks themselves, or torchrun stopped them after a rank failed" \
+        "(see above); relaunch the same command to resume"
+fi
 if (( status != 0 && nnodes > 1 )) && [[ -z "$forwarded" && -z "$(new_marker metrics.jsonl)" ]]; then
     say "torchrun exited $status before any rank began training: if the nodes did not all meet within" \
         "--rdzv-timeout ${rdzv_timeout}s (its error above: 'clients joined', a rendezvous timeout), start every" \

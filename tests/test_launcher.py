@@ -551,6 +551,19 @@ def test_an_old_marker_or_a_clean_exit_is_not_a_preemption(tmp_path, fake_bin):
     assert r.returncode == 1 and "preempted" not in r.stdout, r.stdout
 
 
+def test_a_marker_of_this_launch_without_a_stop_from_the_launcher_is_said_not_taken_for_a_preemption(tmp_path,
+                                                                                                     fake_bin):
+    """A stop that reached only another node's launcher stopped every rank (agreed), and this node's launcher
+    ended with torchrun's 1 and its traceback, saying nothing of the saved state (from a launcher test)."""
+    r = launch(["--cpu"], tmp_path, fake_bin, FAKE_TORCHRUN_THEN=f"mkdir -p runs/lm && {MARKER} > runs/lm/PREEMPTED; "
+                                                                 "exit 1")
+    assert r.returncode == 1, r.stdout
+    assert r.stdout.rstrip().endswith(
+        "launch_training.sh: torchrun exited 1; the run saved and left a PREEMPTED marker of this launch "
+        "(runs/lm/PREEMPTED): a stop reached another node's launcher or the ranks themselves, or torchrun stopped "
+        "them after a rank failed (see above); relaunch the same command to resume"), r.stdout
+
+
 def test_a_run_that_completes_while_torchrun_handles_a_stop_exits_0(tmp_path, fake_bin):
     """A stop that lands after the last step (during the final evaluation): the run completes and writes
     COMPLETED, and torchrun still exits non-zero for the signal it handled."""
