@@ -1335,8 +1335,9 @@ class DDPTrainer:
         every = rt.gather_objects(mine)
         differ = [k for k in mine if any(e.get(k) != every[0].get(k) for e in every)]
         if differ:
-            raise ValueError(f"the ranks were given different settings: {'; '.join(_by_value(every, k) for k in differ)}"
-                             f". Give every rank (every node's launcher) the same flags and config file")
+            shown = "; ".join(_by_value(every, k) for k in differ)
+            raise ValueError(f"the ranks were given different settings: {shown}. Give every rank (every node's "
+                             f"launcher) the same flags and config file")
 
     def _check_ranks_have_the_same_data(self, train_dataset, val_dataset, test_dataset) -> None:
         """Each rank reads its own copy of the data (a node-local copy, a file skipped as bad on one rank only,
@@ -1686,8 +1687,10 @@ class DDPTrainer:
         # each .grad read is a trip into C++: read them once (the same tensors until zero_grad)
         every = [p.grad for _, p in self.named_params]
         grads = [g for g in every if g is not None]
-        # what one process checks for unused parameters (see _unused_parameters)
-        tally.missing = [n for (n, p), g in zip(self.named_params, every) if g is None and p.requires_grad]
+        # what one process checks for unused parameters (see _unused_parameters; DDP's reducer checks its own, and
+        # a static graph may leave a fixed set unused): no walk of the list in the step otherwise
+        if not self.env.is_distributed and not self.static_graph:
+            tally.missing = [n for (n, p), g in zip(self.named_params, every) if g is None and p.requires_grad]
         raw_norm = torch.nn.utils.get_total_norm(grads).double()
         # agreed through the all-reduce, not read from each rank's norm: gradients DDP does not average
         # (parameters it ignores) may differ between ranks
@@ -1843,7 +1846,7 @@ class DDPTrainer:
         if self.cfg.find_unused_parameters:
             return []
         if not self.env.is_distributed:  # what DDP would refuse at scale-up, found on one process already
-            return [] if self.static_graph else tally.missing  # a static graph may leave a fixed set unused
+            return tally.missing  # (none gathered under a static graph, which may leave a fixed set unused)
         try:
             self.model._check_reducer_finalized()  # one C++ call: every bucket was reduced
             return []

@@ -47,7 +47,8 @@ from torch.utils.data import Dataset
 import config
 import ddp_runtime as rt
 from ddp_training import (MAX_TIMEOUT_S, BadInput, DataMismatch, DDPTrainer, EvaluationFailed, RunDirInUse,
-                          TrainConfig, add_config_flags, epochs_rule, evaluate_model, load_yaml_mapping, train_preemptible)
+                          TrainConfig, add_config_flags, epochs_rule, evaluate_model, load_yaml_mapping,
+                          train_preemptible)
 from vj2_dataloader import VJ2TrajectoryDataset, data_fingerprint, list_files
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -654,7 +655,8 @@ def evaluate(args, launch):
                                      world_size=env.world_size, seed=args.seed, num_workers=args.num_workers,
                                      timeout_s=args.loader_timeout)
         loss_fn = partial(vj2_loss, rollout_horizon=args.rollout_horizon)
-        result = evaluate_model(predictor.to(env.device), loader, loss_fn, env.device, log=_console_log("traceback", args.debug))
+        result = evaluate_model(predictor.to(env.device), loader, loss_fn, env.device,
+                                log=_console_log("traceback", args.debug))
     except EvaluationFailed as exc:
         if args.debug:
             raise
