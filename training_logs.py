@@ -401,11 +401,12 @@ def is_zombie(pid: int) -> bool:
     return stat[stat.rfind(")") + 2:].startswith(("Z", "X"))
 
 
-def first_error(log: Path) -> Optional[str]:
-    """The first ERROR line of the newest launch in a rank log without its time and rank prefix, and the
-    exception of the traceback that follows it, if one does ("trainer set-up failed" is followed by its
-    traceback). A relaunch still setting up has none, whatever an earlier launch logged."""
-    lines = launches(log)[-1]
+def first_error(log: Path, lines: Optional[list] = None) -> Optional[str]:
+    """The first ERROR line of the newest launch in a rank log (its `lines`, where the caller read them)
+    without its time and rank prefix, and the exception of the traceback that follows it, if one does
+    ("trainer set-up failed" is followed by its traceback). A relaunch still setting up has none, whatever an
+    earlier launch logged."""
+    lines = launches(log)[-1] if lines is None else lines
     for i, line in enumerate(lines):
         if "] ERROR: " in line:
             # the logger's exception() puts "Traceback ..." on the message's own line
@@ -563,7 +564,7 @@ def set_up_failure(run: Run) -> Optional[str]:
         return None
     if not any(SET_UP_FAILURE.search(line) for line in newest):
         return None
-    return f"its newest launch failed in set-up: {first_error(log)}"
+    return f"its newest launch failed in set-up: {first_error(log, newest)}"
 
 
 def summarize(run: Run) -> dict:
