@@ -1183,6 +1183,49 @@ class DDPTrainer:
                checkpoint_extra, weights_key, count_unit, describe):
         cfg, env = self.cfg, self.env
         self._check_ranks_have_the_same_config()
+        self._claim_run_dirs()
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+
+        self.data_info: dict = {}
+        builtin_data, user_extra = model is None, checkpoint_extra
+        if builtin_data:
+            model, train_dataset, val_dataset, test_dataset, checkpoint_extra, describe = self._take_builtin_lm(
+                train_dataset, val_dataset, test_dataset, checkpoint_extra, describe)
+        if train_dataset is None:
+            raise ValueError("a custom model needs train_dataset=")
+        self.train_dataset = train_dataset  # the loader may wrap it (per-sample seeds in workers)
+        self._check_ranks_have_the_same_data(train_dataset, val_dataset, test_dataset)
+        self._set_loss(loss_fn, count_unit, builtin_data)
+        self._check_checkpoint_extra(user_extra, weights_key, builtin_data)
+        self.checkpoint_extra = checkpoint_extra or {}
+        self.weights_key = weights_key
+
+        self._wrap_model(model, describe)
+        self._build_loaders(train_dataset, val_dataset, test_dataset, collate_fn)
+        self._count_steps()
+        self._build_optimizer()
+        self._set_up_bookkeeping()
+        self.log.info("%d steps (%d per epoch), global batch %d = %d per rank x %d accum x %d ranks",
+                      self.total_steps, self.steps_per_epoch,
+                      cfg.batch_size * cfg.grad_accum_steps * env.world_size,
+                      cfg.batch_size, cfg.grad_accum_steps, env.world_size)
+        self._log_precision_and_schedule()
+        self.initialised_from: Optional[str] = None  # the init_from the run began with (a resume: its state's)
+        self.resumed_from = self._resume()  # last: it restores the RNG streams set-up consumed
+        if cfg.init_from and self.resumed_from is None:
+            self._init_weights(cfg.init_from)
+            self.initialised_from = cfg.init_from
+        elif cfg.init_from and self.initialised_from != cfg.init_from:  # a fine-tuning meant to start afresh?
+            self.log.warning("init_from %s not read: this run resumed from its own state %s, which began from %s; "
+                             "another run_name (or resume none) starts from %s", cfg.init_from, self.resumed_from,
+                             self.initialised_from or "its own initialisation", cfg.init_from)
+
+    def _claim_run_dirs(self) -> None:
+        """The run dirs' lock, then the logger, then a check that rank 0 can write there: a refused run writes
+        nothing, and a dir no checkpoint can be written to stops the run before its first step."""
+        cfg, env = self.cfg, self.env
         # released when train() ends (or by close()); before the logger, so that a refused run writes nothing
         self.run_lock = rt.RunDirLock(cfg.log_dir, cfg.checkpoint_dir)
         holder = rt.broadcast_object(self.run_lock.acquire(rt.run_identity()) if env.is_main else None)
@@ -1217,30 +1260,25 @@ class DDPTrainer:
                              f"({ckpt_problem}); a state elsewhere still resumes with resume=PATH")
         if log_problem:
             raise ValueError(f"log_dir {cfg.log_dir}: cannot create the run's files there ({log_problem})")
-        random.seed(cfg.seed)
-        np.random.seed(cfg.seed)
-        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
 
-        self.data_info: dict = {}
-        builtin_data, user_extra = model is None, checkpoint_extra
-        if builtin_data:
-            given = [name for name, ds in (("train_dataset", train_dataset), ("val_dataset", val_dataset),
-                                           ("test_dataset", test_dataset)) if ds is not None]
-            if given:  # they would be dropped without a word
-                raise ValueError(f"{', '.join(given)} given without a model: with no model the trainer trains its "
-                                 f"built-in CausalLM on its own data (synthetic, or the 'data' file); pass "
-                                 f"model= to train on these")
-            model, (train_dataset, val_dataset, test_dataset) = self._builtin_lm()
-            checkpoint_extra = {"model_config": model.config, **(checkpoint_extra or {})}
-            describe = describe or f"CausalLM {model.config}"
-            # settings that change what the weights compute without changing their shapes (num_heads); dropout
-            # is a training choice, which a resume may change
-            self.resume_must_match["model"] = {k: v for k, v in model.config.items() if k != "dropout"}
-        if train_dataset is None:
-            raise ValueError("a custom model needs train_dataset=")
-        self.train_dataset = train_dataset  # the loader may wrap it (per-sample seeds in workers)
-        self._check_ranks_have_the_same_data(train_dataset, val_dataset, test_dataset)
-        self._set_loss(loss_fn, count_unit, builtin_data)
+    def _take_builtin_lm(self, train_dataset, val_dataset, test_dataset, checkpoint_extra, describe) -> tuple:
+        """No model given: the built-in CausalLM and its data (model, the three datasets, checkpoint_extra and
+        describe, each completed)."""
+        given = [name for name, ds in (("train_dataset", train_dataset), ("val_dataset", val_dataset),
+                                       ("test_dataset", test_dataset)) if ds is not None]
+        if given:  # they would be dropped without a word
+            raise ValueError(f"{', '.join(given)} given without a model: with no model the trainer trains its "
+                             f"built-in CausalLM on its own data (synthetic, or the 'data' file); pass "
+                             f"model= to train on these")
+        model, (train_dataset, val_dataset, test_dataset) = self._builtin_lm()
+        checkpoint_extra = {"model_config": model.config, **(checkpoint_extra or {})}
+        describe = describe or f"CausalLM {model.config}"
+        # settings that change what the weights compute without changing their shapes (num_heads); dropout
+        # is a training choice, which a resume may change
+        self.resume_must_match["model"] = {k: v for k, v in model.config.items() if k != "dropout"}
+        return model, train_dataset, val_dataset, test_dataset, checkpoint_extra, describe
+
+    def _check_checkpoint_extra(self, user_extra, weights_key, builtin_data: bool) -> None:
         if not isinstance(weights_key, str) or weights_key in ("global_step", "val_loss", "model_config"):
             raise ValueError(f"weights_key {weights_key!r}: a checkpoint's own fields are global_step, val_loss (and "
                              f"model_config for the built-in LM); expected another name (a string) for the weights")
@@ -1250,13 +1288,10 @@ class DDPTrainer:
             raise ValueError(f"checkpoint_extra: the keys {taken} are the checkpoint's own ({sorted(own)}): the "
                              f"weights or the step would be replaced in every file; give them other names")
         check_loadable(user_extra or {}, "checkpoint_extra")
-        self.checkpoint_extra = checkpoint_extra or {}
-        self.weights_key = weights_key
 
-        self._wrap_model(model, describe)
-        self._build_loaders(train_dataset, val_dataset, test_dataset, collate_fn)
-        self._count_steps()
-        self._build_optimizer()
+    def _set_up_bookkeeping(self) -> None:
+        """The memory manager, the checkpoint writer and the loop's counters and flags, fresh."""
+        cfg, env = self.cfg, self.env
         self.memory = rt.MemoryManager(env.device, self.log, cfg.memory_check_interval,
                                        cfg.cleanup_interval, cfg.max_memory_gb)
         self.metrics_path = Path(cfg.log_dir) / "metrics.jsonl"
@@ -1289,20 +1324,6 @@ class DDPTrainer:
         self.micro_splits = 1
         self.loader_rng = {"epoch_start": self.train_loader.generator.get_state(),
                            "current": self.train_loader.generator.get_state()}
-        self.log.info("%d steps (%d per epoch), global batch %d = %d per rank x %d accum x %d ranks",
-                      self.total_steps, self.steps_per_epoch,
-                      cfg.batch_size * cfg.grad_accum_steps * env.world_size,
-                      cfg.batch_size, cfg.grad_accum_steps, env.world_size)
-        self._log_precision_and_schedule()
-        self.initialised_from: Optional[str] = None  # the init_from the run began with (a resume: its state's)
-        self.resumed_from = self._resume()  # last: it restores the RNG streams set-up consumed
-        if cfg.init_from and self.resumed_from is None:
-            self._init_weights(cfg.init_from)
-            self.initialised_from = cfg.init_from
-        elif cfg.init_from and self.initialised_from != cfg.init_from:  # a fine-tuning meant to start afresh?
-            self.log.warning("init_from %s not read: this run resumed from its own state %s, which began from %s; "
-                             "another run_name (or resume none) starts from %s", cfg.init_from, self.resumed_from,
-                             self.initialised_from or "its own initialisation", cfg.init_from)
 
     def _log_precision_and_schedule(self) -> None:
         """What amp and the schedule settings come to here: amp_dtype fp16 on the CPU, say, is full precision."""
@@ -3251,6 +3272,26 @@ def rendezvous_store(port: int):
                          + ("; unset MASTER_PORT for a free port" if port else "")) from None
 
 
+def _spawn_exit_status(exc, refused: Optional[str], forwarded: list) -> int:
+    """spawn_local's exit status for a rank that exited non-zero (`exc`), with the line that says why: the
+    refusal a rank left (`refused`), else what the exit code and the stops passed on (`forwarded`) tell."""
+    if refused is not None:  # whatever its peers did then, the input ended the run
+        print(refused, file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    # Ctrl-C in the ranks' set-up (130), or while they import torch: Python's KeyboardInterrupt there is
+    # exit 1, or death by SIGINT. Once they train, it is a stop like SIGTERM (75).
+    if forwarded[:1] == [signal.SIGINT] and exc.exit_code in (1, -signal.SIGINT, 128 + signal.SIGINT):
+        print(rt.CTRL_C_BEFORE_TRAINING, file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
+    if exc.exit_code in (rt.EXIT_PREEMPTED, EXIT_BAD_INPUT) or exc.exit_code > 128:
+        return exc.exit_code
+    if exc.exit_code < 0 and not forwarded:  # its peers can only report the connection it broke
+        oom = " (the kernel's OOM killer sends SIGKILL: see dmesg)" if exc.exit_code == -signal.SIGKILL else ""
+        print(f"error: rank {exc.error_index} (pid {exc.error_pid}) was killed by {exc.signal_name}{oom}",
+              file=sys.stderr, flush=True)
+    return 1
+
+
 def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker, early: Optional[rt.FirstSignal] = None) -> int:
     """Run `worker(rank, nproc, cfg, requested)` on `nproc` local processes (torch.multiprocessing, meeting on
     the store that rendezvous_store hosts here on nproc_port()), for users without torchrun. Returns the exit
@@ -3322,22 +3363,7 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker, early: Optional[r
             if context.join(timeout=0, grace_period=_join_grace(context.processes, forwarded)):
                 break
     except mp.ProcessExitedException as exc:
-        refused = rt.refusal_in(refusal)
-        if refused is not None:  # whatever its peers did then, the input ended the run
-            print(refused, file=sys.stderr, flush=True)
-            return EXIT_BAD_INPUT
-        # Ctrl-C in the ranks' set-up (130), or while they import torch: Python's KeyboardInterrupt there is
-        # exit 1, or death by SIGINT. Once they train, it is a stop like SIGTERM (75).
-        if forwarded[:1] == [signal.SIGINT] and exc.exit_code in (1, -signal.SIGINT, 128 + signal.SIGINT):
-            print(rt.CTRL_C_BEFORE_TRAINING, file=sys.stderr, flush=True)
-            return 128 + signal.SIGINT
-        if exc.exit_code in (rt.EXIT_PREEMPTED, EXIT_BAD_INPUT) or exc.exit_code > 128:
-            return exc.exit_code
-        if exc.exit_code < 0 and not forwarded:  # its peers can only report the connection it broke
-            oom = " (the kernel's OOM killer sends SIGKILL: see dmesg)" if exc.exit_code == -signal.SIGKILL else ""
-            print(f"error: rank {exc.error_index} (pid {exc.error_pid}) was killed by {exc.signal_name}{oom}",
-                  file=sys.stderr, flush=True)
-        return 1
+        return _spawn_exit_status(exc, rt.refusal_in(refusal), forwarded)
     finally:
         spawn_log.removeFilter(not_ending_a_rank)
         for sig, handler in previous.items():
