@@ -1655,8 +1655,6 @@ class DDPTrainer:
                 batch, weight = self._spare_micro_batch(batch.text), 0.0
             elif self.spare_batch is None:
                 self.spare_batch = batch
-            if fatal and not self.env.is_distributed:  # no collectives to keep: the step fails as it is
-                break
             if fatal or oom:  # this step is lost: keep the collectives, skip the work
                 try:
                     batch, weight = self._tiny_spare(fatal or "out of memory"), 0.0
