@@ -272,6 +272,10 @@ def setup_distributed(rank: int, world_size: int, local_rank: Optional[int] = No
     limit_cpu_threads(local_world_size(world_size), world_size)
 
     if world_size == 1:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise RuntimeError(f"a process group already exists as rank {dist.get_rank()}/"
+                               f"{dist.get_world_size()}, not {rank}/{world_size}: leave rank and world_size out "
+                               f"(they come from the launcher), or give this process's own")
         return DistEnv(rank, local_rank, 1, None, dev)
 
     chosen = pick_backend(backend, "cuda" if use_cuda else "cpu")
@@ -878,6 +882,8 @@ class RunDirLock:
         self.paths = [d / self.NAME for d in unique.values()]
         self._fds: list = []
         self._pid = os.getpid()
+        # a lock whose holder was dropped (a trainer built, never trained nor closed) is let go with it
+        weakref.finalize(self, RunDirLock._unlock, self._fds, self._pid)
 
     def acquire(self, note: str = "") -> Optional[str]:
         """Take every lock; None, or who holds one (then none is taken). A file system without locks gets a
@@ -919,14 +925,18 @@ class RunDirLock:
         return f"pid {os.getpid()} on {socket.gethostname()} "
 
     def release(self) -> None:
+        self._unlock(self._fds, self._pid)
+
+    @staticmethod
+    def _unlock(fds: list, pid: int) -> None:
         import fcntl
-        if os.getpid() != self._pid:  # a forked child: its copies were closed at the fork
+        if os.getpid() != pid:  # a forked child: its copies were closed at the fork
             return
-        for fd in self._fds:
+        for fd in fds:
             _HELD_LOCK_FDS.discard(fd)
             fcntl.flock(fd, fcntl.LOCK_UN)  # also for a child that may still share it
             os.close(fd)
-        self._fds = []
+        fds.clear()
 
 
 _HELD_LOCK_FDS: set = set()
@@ -2285,4 +2295,6 @@ def check_replicas(model: torch.nn.Module) -> None:
     diverged = [r for r, h in enumerate(everyone) if h != everyone[0]]
     first = next(name for i, (name, d) in enumerate(reference) if any(t[i][1] != d for t in tables))
     raise RuntimeError(f"replicas diverged: ranks {diverged} differ from rank 0; "
-                       f"first differing parameter: {first}")
+                       f"first differing parameter: {first} (gradients that DDP did not all-reduce: a loss_fn that "
+                       f"computes through model.module or a method other than the forward; or weights changed on "
+                       f"one rank outside the optimizer step)")

@@ -1085,6 +1085,27 @@ def evaluate_model(model: nn.Module, loader, loss_fn: LossFn, device: torch.devi
     return {"loss": reduced[0] / n, "count": n, **{k: v / n for k, v in zip(names, reduced[2:])}}
 
 
+def module_structure(model: nn.Module) -> list:
+    """[name, class] of every module of the model (a compiled one's inner model): what a resume checks beside
+    the weights' names and shapes."""
+    model = getattr(model, "_orig_mod", model)
+    return [[name or "", type(m).__qualname__] for name, m in model.named_modules()]
+
+
+class WrappedLikeDDP(nn.Module):
+    """What loss_fn gets as the model in a one-process step: what DDP gives it on several ranks, a module whose
+    forward is the model's, under `.module`. A loss_fn that reaches past the forward (model.logits(x)) then
+    fails in one process as it would under DDP, where a method reached through model.module would also skip
+    the gradient all-reduce and let the replicas drift apart."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
 def use_static_graph(model: nn.Module, cfg: TrainConfig) -> bool:
     """DDP static_graph as configured; by default on for a model that declares its graph never changes
     (`static_graph = True`), unless the config expects unused parameters or accumulates gradients.
@@ -1202,6 +1223,10 @@ class DDPTrainer:
         self.checkpoint_extra = checkpoint_extra or {}
         self.weights_key = weights_key
 
+        if isinstance(model, (DDP, nn.DataParallel)):
+            raise ValueError(f"model is already wrapped in {type(model).__name__}: pass the bare module "
+                             f"(model.module); the trainer wraps it itself, and saves its weights without the "
+                             f"wrapper's 'module.' prefix")
         self._wrap_model(model, describe)
         self._build_loaders(train_dataset, val_dataset, test_dataset, collate_fn)
         self._count_steps()
@@ -1431,6 +1456,7 @@ class DDPTrainer:
         # DDP's, where there is DDP; one process checks unused parameters by it too
         self.model, self.static_graph = trained, use_static_graph(model, cfg)
         if not env.is_distributed:
+            self.step_model = WrappedLikeDDP(trained)
             return
         self.log.info("DDP static_graph=%s", self.static_graph)
         if self.static_graph and cfg.grad_accum_steps > 1:
@@ -1443,6 +1469,7 @@ class DDPTrainer:
         # replay after a forward that got that far must not broadcast again, or it meets the peers' gradient
         # all-reduce with a broadcast (see _accumulate)
         self.model.register_forward_pre_hook(self._note_ddp_forward)
+        self.step_model = self.model
         # the reducer's own numbering of the parameters, which its errors use (those DDP ignores left out)
         names = {id(p): n for n, p in self.named_params}
         try:
@@ -1543,7 +1570,7 @@ class DDPTrainer:
             rt.set_rng_state(streams, self.env.device)
 
     def _micro_step(self, batch, last: bool, weight: float):
-        model = self.model
+        model = self.step_model
         batch = to_device(batch, self.env.device, self.non_blocking)
         # static_graph records the graph in DDP's first backward, which must all-reduce: that step syncs
         # every micro-step (averaging is linear, so the result is the same; it costs extra all-reduces once).
@@ -1584,6 +1611,17 @@ class DDPTrainer:
             self.extra_names = mine
         return self.extra_names
 
+    def _hint_for(self, exc: Exception) -> str:
+        """What a step's error may mean in this trainer's terms ("" where nothing more is known)."""
+        if self.default_loss:
+            return (" (no loss_fn= was given: the default is lm_loss, for (tokens, targets) batches of a causal "
+                    "LM)")
+        if isinstance(exc, AttributeError) and type(self.step_model).__name__ in str(exc):
+            return (" (loss_fn gets the model wrapped, as DistributedDataParallel wraps it on several ranks; in "
+                    "one process, WrappedLikeDDP: call it as model(...) and compute the rest in its forward; a "
+                    "method called through model.module would skip DDP's gradient all-reduce)")
+        return ""
+
     def _abandoned(self, fatal: Optional[str], exc: Exception) -> StepAbandoned:
         return StepAbandoned(f"step {self.global_step + 1} failed on rank {self.env.rank}: "
                              f"{fatal or 'out of memory in the forward'} (and the step could not be completed "
@@ -1598,7 +1636,7 @@ class DDPTrainer:
         nothing to the gradient or the counts, and the error reaches every rank through the same
         all-reduce instead of leaving them waiting in a collective."""
         if self.set_train_mode:  # a walk of every module (~0.2 ms): at the first step and after evaluation only
-            self.model.train()
+            self.step_model.train()
             self.set_train_mode = False
         if self.running_stats:  # one multi-tensor copy, no host sync
             torch._foreach_copy_(self.stats_before_step, self.running_stats)
@@ -1676,9 +1714,7 @@ class DDPTrainer:
                     oom = True  # retried by every rank with smaller micro-batches
                     self.log.warning("out of memory in the forward of step %d", self.global_step + 1)
                 else:
-                    fatal = f"{type(exc).__name__} in {phase}: {exc}" + (
-                        " (no loss_fn= was given: the default is lm_loss, for (tokens, targets) batches of a "
-                        "causal LM)" if self.default_loss else "")
+                    fatal = f"{type(exc).__name__} in {phase}: {exc}" + self._hint_for(exc)
                     self.log.error("step %d raised on this rank: %s", self.global_step + 1, traceback.format_exc())
                 # the failed forward's activations live as long as the frames of its traceback
                 traceback.clear_frames(exc.__traceback__)
@@ -1950,8 +1986,9 @@ class DDPTrainer:
     # -- evaluation -------------------------------------------------------------
 
     def evaluate(self, loader=None) -> dict:
-        """Mean loss over the whole set (the validation set by default), on all ranks. Called outside
-        train(), it stops the loader's workers when it is done, as train() does when it returns."""
+        """Mean loss over the whole set (the validation set by default), on all ranks, each over its shard: a
+        loader given here must hold this rank's shard. Called outside train(), it stops the loader's workers
+        when it is done, as train() does when it returns."""
         if self.env.is_distributed and not dist.is_initialized():
             raise RuntimeError("evaluate() after train() on a multi-process trainer: train() has left the process "
                                "group, so each rank would see only its own shard; evaluate within the run "
@@ -1959,7 +1996,9 @@ class DDPTrainer:
         loader = self.val_loader if loader is None else loader  # not `or`: an empty shard's loader is falsy
         if loader is None:
             raise ValueError("evaluate(): this trainer has no validation set (val_dataset= not given, or "
-                             "val_fraction=0); pass evaluate(loader)")
+                             "val_fraction=0); pass evaluate(loader)"
+                             + (", a loader over this rank's shard (sums and counts are all-reduced over the ranks)"
+                                if self.env.is_distributed else ""))
         self.set_train_mode = True
         rt.broadcast_buffers(self.raw_model)
         try:
@@ -2052,7 +2091,25 @@ class DDPTrainer:
                 "counters": {k: getattr(self, k) for k in self.STATE_COUNTERS},
                 "rng": per_rank_rng, "run": self._run_signature(), "seeded_samples": self._seeded_samples(),
                 "data_fingerprint": self.data_fingerprint, "must_match": self.resume_must_match,
-                "run_id": self.run_id, "init_from": self.initialised_from}
+                "modules": module_structure(self.raw_model), "run_id": self.run_id,
+                "init_from": self.initialised_from}
+
+    def _check_modules(self, saved: Optional[list], path: Path) -> None:
+        """A state resumes only into a model of the same modules: weights of the same names and shapes load
+        into a model with another activation (ReLU for GELU) without a word, and a finished run would hand back
+        its old summary. States before 27 Nov 2026 hold no list: not checked."""
+        mine = module_structure(self.raw_model)
+        if saved is None or saved == mine:
+            return
+        was, now = dict(map(tuple, saved)), dict(map(tuple, mine))
+        name = next((n for n in [*was, *now] if was.get(n) != now.get(n)), None)
+        if name is None:
+            differs = "its modules come in another order"
+        else:
+            differs = (f"its {f'module {name}' if name else 'model class'} is {was.get(name, 'absent')}, this "
+                       f"run's is {now.get(name, 'absent')}")
+        raise StateMismatch(f"{path} holds another model: {differs}; resuming it is refused (--resume none or "
+                            f"another --run_name starts fresh; or use the original model)")
 
     def _check_data_fingerprint(self, saved, path: Path) -> None:
         """The training data of a state must be this run's (the built-in data's, or what data_fingerprint= gave):
@@ -2213,6 +2270,7 @@ class DDPTrainer:
                                     f"with a different {key} is refused (--resume none or another --run_name starts "
                                     f"fresh; or use the original setting)")
         self._check_data_fingerprint(state.get("data_fingerprint", "absent"), path)
+        self._check_modules(state.get("modules"), path)
         saved = state.get("seeded_samples")  # absent from states written before 25 Nov 2026
         if saved is not None and saved != self._seeded_samples() and self.env.is_main:
             self.log.warning("%s was written with %s loader workers, this run has %s: a dataset that draws random "

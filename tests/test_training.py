@@ -508,6 +508,106 @@ def test_a_second_trainer_in_a_run_dir_in_use_is_refused_until_the_first_is_done
     assert DDPTrainer(config={**cfg, "max_steps": 6}).train()["steps"] == 6  # resumed
 
 
+def test_a_trainer_dropped_untrained_lets_go_of_its_run_dirs(tmp_path, no_launch_env):
+    """The refusal says "call its close() or drop it": a dropped one held the lock until the process ended (a
+    notebook had to be restarted to use that run name again)."""
+    import gc
+    cfg = {**QUICK, **dirs(tmp_path), "max_steps": 3, "val_interval": 0}
+    DDPTrainer(config=cfg)  # built, never trained nor closed, and dropped
+    gc.collect()  # the trainer is in reference cycles (hooks on its model)
+    assert DDPTrainer(config=cfg).train()["steps"] == 3
+
+
+class _Classifier(nn.Module):
+    def __init__(self, act=nn.ReLU):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), act(), nn.Linear(16, 3))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def logits(self, x):
+        return self.net(x)
+
+
+def _classes(n=64):
+    x = torch.randn(n, 8, generator=torch.Generator().manual_seed(0))
+    return torch.utils.data.TensorDataset(x, x[:, :3].argmax(1))
+
+
+def _forward_loss(model, batch):
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y, reduction="sum"), len(y)
+
+
+def _method_loss(model, batch):
+    x, y = batch
+    return nn.functional.cross_entropy(model.logits(x), y, reduction="sum"), len(y)
+
+
+def test_a_loss_fn_that_reaches_past_the_forward_fails_in_one_process_as_under_ddp(tmp_path, no_launch_env):
+    """One process handed loss_fn the bare model, DDP the wrapper: model.logits(x) worked on one CPU and failed
+    at scale-up ('DistributedDataParallel' object has no attribute 'logits'), and model.module.logits(x), the
+    obvious way round, skipped the gradient all-reduce. Now one process fails the same way, saying why."""
+    from ddp_training import StepFailed
+    cfg = {**QUICK, **dirs(tmp_path), "max_steps": 2, "val_interval": 0, "resume": "none"}
+    kwargs = dict(model=_Classifier(), train_dataset=_classes(), val_dataset=_classes(16))
+    with pytest.raises(StepFailed, match=r"AttributeError in forward: 'WrappedLikeDDP' object has no attribute "
+                                         r"'logits' \(loss_fn gets the model wrapped, as DistributedDataParallel "
+                                         r"wraps it .*call it as model\(\.\.\.\) and compute the rest in its forward"):
+        DDPTrainer(config=cfg, loss_fn=_method_loss, **kwargs).train()
+    summary = DDPTrainer(config=cfg, loss_fn=_forward_loss, **kwargs).train()
+    assert summary["steps"] == 2
+    assert DDPTrainer(config=cfg, loss_fn=_method_loss, **kwargs).evaluate()["count"] == 16  # the bare model
+
+
+def test_a_model_already_wrapped_is_refused(tmp_path, no_launch_env):
+    """A model in DDP trained, then its replicas 'diverged' and its weights were saved as module.*."""
+    with pytest.raises(ValueError, match=r"model is already wrapped in DataParallel: pass the bare module "
+                                         r"\(model.module\)"):
+        DDPTrainer(config={**QUICK, **dirs(tmp_path)}, model=nn.DataParallel(_Classifier()),
+                   train_dataset=_classes(), loss_fn=_forward_loss)
+
+
+def test_a_resume_into_a_model_of_other_modules_is_refused(tmp_path, no_launch_env):
+    """ReLU swapped for GELU keeps every weight's name and shape: the resume loaded the old weights, and a
+    finished run handed back its old summary for the new model."""
+    cfg = {**QUICK, **dirs(tmp_path), "max_steps": 3, "val_interval": 0}
+    data = dict(train_dataset=_classes(), val_dataset=_classes(16), loss_fn=_forward_loss)
+    assert DDPTrainer(config=cfg, model=_Classifier(), **data).train()["steps"] == 3
+    assert DDPTrainer(config=cfg, model=_Classifier(), **data).train()["already_complete"] is True
+    with pytest.raises(ValueError, match=r"holds another model: its module net.1 is ReLU, this run's is GELU; "
+                                         r"resuming it is refused"):
+        DDPTrainer(config=cfg, model=_Classifier(nn.GELU), **data)
+    # a state written before the modules were recorded resumes as it did
+    state = sorted((tmp_path / "ckpt").glob("*_state_step_*.pt"))[-1]
+    saved = torch.load(state, weights_only=True)
+    assert saved["modules"][:3] == [["", "_Classifier"], ["net", "Sequential"], ["net.0", "Linear"]]
+    del saved["modules"]
+    rt.atomic_save(saved, state)
+    DDPTrainer(config=cfg, model=_Classifier(nn.GELU), **data).close()
+
+
+def _own_group_then_one_process_trainer(rank, world_size, root):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        DDPTrainer(rank=0, world_size=1, config={**QUICK, "log_dir": str(Path(root) / f"r{rank}")})
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        dist.destroy_process_group()
+    return "built"
+
+
+@pytest.mark.multi
+def test_rank_and_world_size_of_one_are_refused_in_a_group_of_two(tmp_path):
+    """The check that a given rank/world_size fits the caller's group came after the one-process shortcut: two
+    ranks each building a 'world_size=1' trainer raced for one run dir, or trained and lost a peer."""
+    for rank, msg in enumerate(spawn(_own_group_then_one_process_trainer, 2, str(tmp_path), timeout=120)):
+        assert msg.startswith(f"a process group already exists as rank {rank}/2, not 0/1"), msg
+
+
 def test_steps_that_count_nothing_are_skipped_and_stop_the_run_after_max_bad_steps(tmp_path, no_launch_env):
     """A loss_fn whose count is always 0 trained nothing, yet the run 'completed' with every step skipped and
     the loss sums logged as losses."""

@@ -666,7 +666,7 @@ def test_a_run_refused_by_the_run_dir_lock_writes_nothing_there(tmp_path, no_lau
         holder.release()
     # bad data, while another process holds the dir: the lines of the refused set-up do not go there either
     holder = subprocess.Popen([sys.executable, "-c", f"import ddp_runtime as rt, sys, time\n"
-                               f"assert rt.RunDirLock({str(ckpt)!r}).acquire() is None\nprint('locked', flush=True)\n"
+                               f"lock = rt.RunDirLock({str(ckpt)!r})\nassert lock.acquire() is None\nprint('locked', flush=True)\n"
                                f"time.sleep(60)"], stdout=subprocess.PIPE, text=True, env=clean_env())
     try:
         assert holder.stdout.readline().strip() == "locked"
