@@ -202,8 +202,9 @@ class TrainConfig:
     max_bad_steps: int = 5
 
     @classmethod
-    def from_dict(cls, cfg: Optional[dict]) -> "TrainConfig":
-        cfg = dict(cfg or {})
+    def from_dict(cls, cfg) -> "TrainConfig":
+        """A config from a dict of keys to change from the defaults (or a TrainConfig), checked."""
+        cfg = dataclasses.asdict(cfg) if isinstance(cfg, TrainConfig) else dict(cfg or {})
         known = {f.name for f in dataclasses.fields(cls)}
         for key in cfg:
             if key not in known:
@@ -1085,6 +1086,27 @@ def evaluate_model(model: nn.Module, loader, loss_fn: LossFn, device: torch.devi
     return {"loss": reduced[0] / n, "count": n, **{k: v / n for k, v in zip(names, reduced[2:])}}
 
 
+def check_trainable(model) -> None:
+    """Refuses at set-up a model this trainer would fail on at its first step, or train wrongly."""
+    if isinstance(model, (DDP, nn.DataParallel)):
+        raise ValueError(f"model is already wrapped in {type(model).__name__}: pass the bare module "
+                         f"(model.module); the trainer wraps it itself, and saves its weights without the "
+                         f"wrapper's 'module.' prefix")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    lazy = [n for n, p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise ValueError(f"model has parameters not yet initialised (lazy modules: {', '.join(lazy[:3])}): run one "
+                         f"forward on a sample batch before passing it, so that every rank builds the same shapes "
+                         f"and the optimizer sees them")
+    sparse = [n for n, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+    if sparse:
+        raise ValueError(f"model has sparse-gradient embeddings ({', '.join(sparse[:3])}: sparse=True): AdamW and "
+                         f"the gradient-norm checks need dense gradients; build them with sparse=False")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("model has no parameter that requires a gradient (all frozen?): nothing to train")
+
+
 def module_structure(model: nn.Module) -> list:
     """[name, class] of every module of the model (a compiled one's inner model): what a resume checks beside
     the weights' names and shapes."""
@@ -1223,10 +1245,7 @@ class DDPTrainer:
         self.checkpoint_extra = checkpoint_extra or {}
         self.weights_key = weights_key
 
-        if isinstance(model, (DDP, nn.DataParallel)):
-            raise ValueError(f"model is already wrapped in {type(model).__name__}: pass the bare module "
-                             f"(model.module); the trainer wraps it itself, and saves its weights without the "
-                             f"wrapper's 'module.' prefix")
+        check_trainable(model)
         self._wrap_model(model, describe)
         self._build_loaders(train_dataset, val_dataset, test_dataset, collate_fn)
         self._count_steps()
@@ -1433,6 +1452,9 @@ class DDPTrainer:
                 self.tokens_per_sample = self.cfg.seq_len
             elif norm == "sample":
                 count_unit = "samples"
+        if not (isinstance(count_unit, str) and count_unit.isidentifier()):
+            raise ValueError(f"count_unit {count_unit!r}: expected a plain name such as 'tokens' or 'samples' (the "
+                             f"records' rate field is <count_unit>_per_s)")
         self.loss_fn = loss_fn
         self.count_unit = count_unit
 

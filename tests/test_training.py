@@ -561,12 +561,39 @@ def test_a_loss_fn_that_reaches_past_the_forward_fails_in_one_process_as_under_d
     assert DDPTrainer(config=cfg, loss_fn=_method_loss, **kwargs).evaluate()["count"] == 16  # the bare model
 
 
-def test_a_model_already_wrapped_is_refused(tmp_path, no_launch_env):
-    """A model in DDP trained, then its replicas 'diverged' and its weights were saved as module.*."""
-    with pytest.raises(ValueError, match=r"model is already wrapped in DataParallel: pass the bare module "
-                                         r"\(model.module\)"):
-        DDPTrainer(config={**QUICK, **dirs(tmp_path)}, model=nn.DataParallel(_Classifier()),
-                   train_dataset=_classes(), loss_fn=_forward_loss)
+def _frozen():
+    model = _Classifier()
+    model.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("make, message", [
+    # trained, then its replicas 'diverged', and its weights were saved as module.*
+    (lambda: nn.DataParallel(_Classifier()), r"model is already wrapped in DataParallel: pass the bare module "
+                                             r"\(model.module\)"),
+    # torch's own error at the optimizer's build, naming nothing of this trainer
+    (lambda: nn.Sequential(nn.LazyLinear(3)), r"model has parameters not yet initialised \(lazy modules: 0.weight, "
+                                              r"0.bias\): run one forward on a sample batch before passing it"),
+    # a NotImplementedError from linalg_vector_norm in the first step
+    (lambda: nn.Sequential(nn.Embedding(10, 3, sparse=True)), r"model has sparse-gradient embeddings \(0: "
+                                                              r"sparse=True\)"),
+    # a backward error at the first step
+    (_frozen, r"model has no parameter that requires a gradient \(all frozen\?\): nothing to train"),
+])
+def test_a_model_this_trainer_cannot_train_is_refused_at_set_up(tmp_path, no_launch_env, make, message):
+    with pytest.raises(ValueError, match=message):
+        DDPTrainer(config={**QUICK, **dirs(tmp_path)}, model=make(), train_dataset=_classes(), loss_fn=_forward_loss)
+    assert not list((tmp_path / "ckpt").glob("*.pt"))
+
+
+def test_a_train_config_object_and_a_bad_count_unit(tmp_path, no_launch_env):
+    from ddp_training import TrainConfig
+    cfg = TrainConfig(**{**QUICK, **dirs(tmp_path), "max_steps": 2, "val_interval": 0})
+    assert DDPTrainer(config=cfg).train()["steps"] == 2  # was: 'TrainConfig' object is not iterable
+    for unit in ("", "tokens per s", 3):
+        with pytest.raises(ValueError, match=rf"count_unit {re.escape(repr(unit))}: expected a plain name"):
+            DDPTrainer(config={**QUICK, **dirs(tmp_path / "u")}, model=_Classifier(), train_dataset=_classes(),
+                       loss_fn=_forward_loss, count_unit=unit)
 
 
 def test_a_resume_into_a_model_of_other_modules_is_refused(tmp_path, no_launch_env):
