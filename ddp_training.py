@@ -1469,7 +1469,10 @@ class DDPTrainer:
                               and m.track_running_stats for b in m.buffers(recurse=False)]
         self.stats_before_step = [b.clone() for b in self.running_stats]
         self.set_train_mode = True  # every module to train mode at the next step (evaluation leaves eval mode)
-        torch.manual_seed(cfg.seed + 1000 * env.rank)  # dropout etc. differ per rank from here on
+        # dropout, and a dataset's own draws (numpy's, python's) in the main process, differ per rank from here on
+        torch.manual_seed(cfg.seed + 1000 * env.rank)
+        np.random.seed(cfg.seed + 1000 * env.rank)
+        random.seed(cfg.seed + 1000 * env.rank)
         n_params = sum(p.numel() for p in model.parameters())
         self.log.info("model: %s, %s parameters", describe or type(model).__name__, f"{n_params:,}")
         if self.data_info:

@@ -607,10 +607,8 @@ def test_validation_of_a_batchnorm_model_is_that_of_its_saved_weights(tmp_path):
         (results, expected["loss"])
 
 
-def test_one_process_clips_the_mean_gradient_to_grad_clip_and_leaves_a_smaller_one_alone(tmp_path, no_launch_env):
-    """The gradient the optimizer gets is the global mean gradient scaled to norm grad_clip when its norm is
-    above it, and that gradient unchanged when its norm is below it or grad_clip is 0 (off); the logged norm is
-    the one before clipping. Reference: one backward of the mean loss over the same 8 samples."""
+def _clip_case():
+    """8 samples, a fresh LM, and the gradient of one backward of the mean loss over them (with its norm)."""
     g = torch.Generator().manual_seed(3)
     data = TensorDataset(torch.randint(0, 64, (8, 16), generator=g), torch.randint(0, 64, (8, 16), generator=g))
     torch.manual_seed(0)
@@ -619,21 +617,46 @@ def test_one_process_clips_the_mean_gradient_to_grad_clip_and_leaves_a_smaller_o
     s, c = lm_loss(ref, data.tensors)
     (s / c).backward()
     free = flat_grads(ref)
-    norm = free.double().norm().item()
+    return data, init, free, free.double().norm().item()
+
+
+def _one_clipped_step(root, init, data, clip) -> tuple:
+    """(the gradient the optimizer got, the logged grad_norm) of one trainer step of a copy of `init`."""
+    model, seen = copy.deepcopy(init), []
+    cfg = dict(OVERFIT, max_steps=1, batch_size=8, grad_clip=clip, log_dir=str(root / "logs"),
+               checkpoint_dir=str(root / "ckpt"))
+    trainer = DDPTrainer(config=cfg, model=model, train_dataset=data)
+    trainer.optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen.append(flat_grads(model)))
+    trainer.train()
+    return seen[0], metrics(root / "logs", "train")[0]["grad_norm"]
+
+
+def test_one_process_clips_the_mean_gradient_to_grad_clip_and_leaves_a_smaller_one_alone(tmp_path, no_launch_env):
+    """The gradient the optimizer gets is the global mean gradient scaled to norm grad_clip when its norm is
+    above it, and that gradient unchanged when its norm is below it or grad_clip is 0 (off); the logged norm is
+    the one before clipping. Reference: one backward of the mean loss over the same 8 samples."""
+    data, init, free, norm = _clip_case()
     seen = {}
     for clip in (0.0, norm / 4, norm * 4):
-        model = copy.deepcopy(init)
-        root = tmp_path / f"clip_{clip:g}"
-        cfg = dict(OVERFIT, max_steps=1, batch_size=8, grad_clip=clip, log_dir=str(root / "logs"),
-                   checkpoint_dir=str(root / "ckpt"))
-        trainer = DDPTrainer(config=cfg, model=model, train_dataset=data)
-        trainer.optimizer.register_step_pre_hook(
-            lambda opt, args, kwargs, clip=clip, model=model: seen.__setitem__(clip, flat_grads(model)))
-        trainer.train()
-        assert metrics(root / "logs", "train")[0]["grad_norm"] == pytest.approx(norm, rel=1e-5)
+        seen[clip], logged = _one_clipped_step(tmp_path / f"clip_{clip:g}", init, data, clip)
+        assert logged == pytest.approx(norm, rel=1e-5)
     assert rel(seen[0.0], free) < RTOL
     assert rel(seen[norm * 4], free) < RTOL  # below the threshold: not scaled up to it
     assert rel(seen[norm / 4], free / 4) < DRIFT_RTOL  # the clip factor adds its own rounding
+
+
+def test_fp16_with_a_grad_scaler_clips_the_unscaled_gradient(tmp_path, no_launch_env, monkeypatch):
+    """CUDA's fp16 path (a GradScaler) on the CPU: the gradients must be unscaled before the norm is taken and
+    clipped, or the loss scale (256 here) inflates the logged norm and the clip crushes the step."""
+    import ddp_training
+    data, init, free, norm = _clip_case()
+    real = torch.amp.GradScaler
+    monkeypatch.setattr(ddp_training, "amp_dtype_for", lambda cfg, device: torch.float16)
+    monkeypatch.setattr(torch.amp, "GradScaler", lambda *a, **k: real("cpu", init_scale=2.0 ** 8))
+    grads, logged = _one_clipped_step(tmp_path, init, data, norm / 4)
+    # fp16 autocast rounds the forward: 5% against the fp32 reference
+    assert logged == pytest.approx(norm, rel=0.05)
+    assert rel(grads, free / 4) < 0.05
 
 
 def test_sample_normalisation_leaves_out_a_sample_without_targets():

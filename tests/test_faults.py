@@ -60,6 +60,8 @@ class OnRank:
         if self.hit and model.training and self.calls == self.step:
             if self.what == "nan":
                 return s * float("nan"), c
+            if self.what == "nan_loss_only":  # the gradients stay finite: only the loss's flag can tell
+                return s + torch.tensor(float("nan")), c
             if self.what == "raise":
                 raise ValueError("injected failure in forward")
             if self.what == "raise_mid_backward":  # after the later layers' gradients were reduced
@@ -125,8 +127,9 @@ def _final_model(root):
     return m
 
 
-def test_nan_on_one_rank_skips_the_same_step_everywhere(tmp_path):
-    r0, r1 = spawn(_run, 2, str(tmp_path), 1, 3, "nan")
+@pytest.mark.parametrize("what", ["nan", "nan_loss_only"])
+def test_nan_on_one_rank_skips_the_same_step_everywhere(tmp_path, what):
+    r0, r1 = spawn(_run, 2, str(tmp_path), 1, 3, what)
     assert r0["status"] == r1["status"] == "completed" and r0["skipped"] == r1["skipped"] == 1
     records = [json.loads(x) for x in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r.get("skipped")] == [3]

@@ -15,6 +15,7 @@ import torch
 import yaml
 
 import ddp_runtime as rt
+import ddp_training
 from conftest import Augmented, background, clean_env, make_vj2_data, metrics, torchrun, torchrun_workers, wait_for_step
 from dist_helpers import spawn
 from ddp_training import CausalLM, DDPTrainer, TrainConfig, lm_loss, synthetic_lm_data
@@ -416,6 +417,59 @@ def test_a_resumed_run_keeps_the_best_validation_and_patience_of_its_first_part(
     assert longer["status"] == "early_stopped" and longer["steps"] == 10
     assert longer["best_val_loss"] == 0.5
     assert torch.load(tmp_path / "ckpt" / "model_best.pt", weights_only=True)["global_step"] == 4
+
+
+def test_a_resumed_run_keeps_its_patience_reference_apart_from_its_best(tmp_path, no_launch_env):
+    """With min_delta the patience count runs from the last improvement by min_delta, not from the best: a
+    resume that took the best for that reference stopped 6 steps early."""
+    cfg = cfg_for(tmp_path, max_steps=6, val_interval=2, save_every_iters=2, patience=3, min_delta=0.1)
+    # reference 1.0 (step 2); 0.95 and 0.93 are better but not by min_delta: best 0.93, reference 1.0
+    _scripted_validation(DDPTrainer(config=cfg), [1.0, 0.95, 0.93]).train()
+    # 0.88 improves on the reference by more than 0.1 (not on the best): the count restarts, the stop is at 14
+    longer = _scripted_validation(DDPTrainer(config={**cfg, "max_steps": 20}), [0.88, 0.87, 0.86, 0.85]).train()
+    assert (longer["status"], longer["steps"]) == ("early_stopped", 14)
+
+
+class NanAt:
+    """lm_loss, NaN at the given training calls of this run (1-based); SIGTERM at `stop`."""
+
+    def __init__(self, nan, stop=None):
+        self.nan, self.stop, self.calls = nan, stop, 0
+
+    def __call__(self, model, batch):
+        self.calls += model.training
+        s, c = lm_loss(model, batch)
+        if model.training and self.calls == self.stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return (s * float("nan"), c) if model.training and self.calls in self.nan else (s, c)
+
+
+def test_a_bad_streak_and_the_skip_count_survive_a_resume(tmp_path, no_launch_env):
+    """max_bad_steps counts non-finite steps in a row across a stop: a resume that reset the count would let a
+    run that diverged go on for another max_bad_steps after each preemption."""
+    cfg = cfg_for(tmp_path, max_bad_steps=3, dropout=0.0)
+    first = DDPTrainer(config=cfg, loss_fn=NanAt(nan={2, 3}, stop=3)).train()
+    assert (first["status"], first["skipped_steps"]) == ("interrupted", 2)
+    with pytest.raises(FloatingPointError, match="3 consecutive non-finite steps"):
+        DDPTrainer(config=cfg, loss_fn=NanAt(nan={1})).train()  # step 4: the third bad step in a row
+
+
+@pytest.fixture
+def cpu_fp16(monkeypatch):
+    """The GradScaler path (CUDA fp16) on the CPU: fp16 autocast with a CPU GradScaler that grows every 2 steps."""
+    real = torch.amp.GradScaler
+    monkeypatch.setattr(ddp_training, "amp_dtype_for", lambda cfg, device: torch.float16)
+    monkeypatch.setattr(torch.amp, "GradScaler", lambda *a, **k: real("cpu", init_scale=2.0 ** 4, growth_interval=2))
+
+
+def test_the_grad_scalers_state_survives_a_resume(tmp_path, no_launch_env, cpu_fp16):
+    cfg = dict(max_steps=12, save_every_iters=3, dropout=0.0)
+    DDPTrainer(config=cfg_for(tmp_path / "ref", **cfg)).train()
+    assert DDPTrainer(config=cfg_for(tmp_path / "run", **cfg), loss_fn=SignalAt(7)).train()["status"] == "interrupted"
+    resumed = DDPTrainer(config=cfg_for(tmp_path / "run", **cfg))
+    assert resumed.scaler is not None and resumed.scaler.get_scale() != 2.0 ** 4  # it grew before the stop
+    resumed.train()
+    assert_bit_identical(final_weights(tmp_path / "run"), final_weights(tmp_path / "ref"))
 
 
 def test_a_changed_learning_rate_applies_after_resume(tmp_path, no_launch_env, caplog):

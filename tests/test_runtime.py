@@ -789,6 +789,26 @@ def test_a_sidecar_without_a_digest_is_a_checkpoint_error_naming_it(tmp_path, si
     assert torch.equal(rt.load_checkpoint(path, verify=False)["w"], torch.arange(4.0))
 
 
+def test_atomic_save_syncs_the_file_before_the_rename_and_the_dir_after(tmp_path, monkeypatch):
+    """Without the first fsync a crash can leave the new name on a file with no data; without the second, the old
+    file back under the name after a crash that followed the save."""
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}")).name))
+        return real_fsync(fd)
+
+    def replace(a, b):
+        events.append(("replace", Path(a).name, Path(b).name))
+        return real_replace(a, b)
+    monkeypatch.setattr(rt.os, "fsync", fsync)
+    monkeypatch.setattr(rt.os, "replace", replace)
+    rt.atomic_save({"w": torch.ones(2)}, tmp_path / "m.pt")
+    i = next(k for k, e in enumerate(events) if e[0] == "replace" and e[2] == "m.pt")
+    assert ("fsync", events[i][1]) in events[:i], events  # the data reached the disk before the name did
+    assert ("fsync", tmp_path.name) in events[i + 1:], events  # and the rename was made durable
+
+
 def test_atomic_save_roundtrip_and_hash(tmp_path):
     path = rt.atomic_save({"w": torch.arange(4.0), "step": 3}, tmp_path / "a.pt")
     assert (tmp_path / "a.pt.sha256").read_text().split()[0] == rt.sha256_file(path)

@@ -429,6 +429,8 @@ def test_matrices_decay_and_biases_and_norm_gains_do_not(tmp_path, no_launch_env
     assert {name_of[id(p)] for p in decay["params"]} == {n for n, p in named.items() if p.dim() >= 2}
     assert {name_of[id(p)] for p in no_decay["params"]} == {n for n, p in named.items() if p.dim() < 2}
     assert {"ln_f.weight", "blocks.0.attn.qkv.bias"} <= {name_of[id(p)] for p in no_decay["params"]}
+    assert decay["betas"] == no_decay["betas"] == (0.9, 0.95)  # the README's
+    trainer.close()
 
 
 def test_gradient_accumulation_and_sample_normalisation_train(tmp_path, no_launch_env):
@@ -625,6 +627,22 @@ def _own_group_then_one_process_trainer(rank, world_size, root):
     finally:
         dist.destroy_process_group()
     return "built"
+
+
+def _draws_after_set_up(rank, world_size, root):
+    trainer = DDPTrainer(rank=rank, world_size=world_size,
+                         config={**QUICK, "resume": "none", "log_dir": str(Path(root) / "logs")})
+    draws = (torch.rand(1).item(), int(np.random.randint(1 << 30)), random.random())
+    trainer.close()
+    return draws
+
+
+@pytest.mark.multi
+def test_every_rank_draws_its_own_random_numbers(tmp_path):
+    """Only torch's stream was seeded per rank: numpy's and python's drew the same numbers on every rank, so a
+    dataset's augmentation (in the main process) did the same to every rank's samples."""
+    r0, r1 = spawn(_draws_after_set_up, 2, str(tmp_path), timeout=120)
+    assert [a != b for a, b in zip(r0, r1)] == [True, True, True], (r0, r1)
 
 
 @pytest.mark.multi

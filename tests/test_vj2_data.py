@@ -417,6 +417,20 @@ class Tripwire:
         return Path.touch, (self.marker,)
 
 
+def test_a_file_swapped_for_a_pickle_after_validation_is_never_unpickled(tmp_path):
+    """The reader of a validated file must keep allow_pickle=False too: a file can change after validation."""
+    d = tmp_path / "data"
+    d.mkdir()
+    emb, act = good()
+    np.savez_compressed(d / "a.npz", embeddings=emb, actions=act)  # deflated: each read loads the member whole
+    ds = VJ2TrajectoryDataset(d)
+    payload = np.array([Tripwire(tmp_path / "unpickled")] * 2, dtype=object)
+    np.savez_compressed(d / "a.npz", embeddings=emb, actions=payload)  # pickled objects, on purpose
+    with pytest.raises(ValueError, match="Object arrays cannot be loaded when allow_pickle=False"):
+        ds[0]
+    assert not (tmp_path / "unpickled").exists()
+
+
 def write_not_zip(p):
     p.write_bytes(b"this is not an archive")
 
