@@ -156,8 +156,12 @@ def test_srun_tasks_take_slurms_share_of_cpus_even_when_bound_to_their_own(no_sl
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     threads = torch.get_num_threads()
     try:
+        torch.set_num_threads(12)
         rt.limit_cpu_threads(4, 8)
         assert torch.get_num_threads() == 6
+        torch.set_num_threads(2)  # a lower count of the process's own is kept
+        rt.limit_cpu_threads(4, 8)
+        assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)))  # not bound: the node's 32
