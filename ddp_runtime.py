@@ -257,6 +257,11 @@ def setup_distributed(rank: int, world_size: int, local_rank: Optional[int] = No
     """
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"invalid rank {rank} for world_size {world_size}")
+    if world_size == 1 and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # before the device is set: a caller that catches this must find its process as it was
+        raise RuntimeError(f"a process group already exists as rank {dist.get_rank()}/{dist.get_world_size()}, "
+                           f"not {rank}/{world_size}: leave rank and world_size out (they come from that group), "
+                           f"or pass rank=dist.get_rank(), world_size=dist.get_world_size()")
     local_rank = rank if local_rank is None else local_rank
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
@@ -273,10 +278,6 @@ def setup_distributed(rank: int, world_size: int, local_rank: Optional[int] = No
     limit_cpu_threads(local_world_size(world_size), world_size)
 
     if world_size == 1:
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            raise RuntimeError(f"a process group already exists as rank {dist.get_rank()}/"
-                               f"{dist.get_world_size()}, not {rank}/{world_size}: leave rank and world_size out "
-                               f"(they come from the launcher), or give this process's own")
         return DistEnv(rank, local_rank, 1, None, dev)
 
     chosen = pick_backend(backend, "cuda" if use_cuda else "cpu")
@@ -1937,7 +1938,8 @@ def remove_with_sidecar(path) -> None:
 
 def unwrap_state_dict(model: torch.nn.Module) -> dict:
     """The state dict without DDP's or torch.compile's wrapper prefixes."""
-    inner = getattr(model, "module", model)
+    # DDP's own wrapper only: a user's model may have a submodule named `module`
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     inner = getattr(inner, "_orig_mod", inner)
     return inner.state_dict()
 

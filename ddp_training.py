@@ -29,6 +29,7 @@ import collections.abc
 import contextlib
 import dataclasses
 import datetime
+import gc
 import hashlib
 import io
 import json
@@ -1099,7 +1100,8 @@ def check_trainable(model) -> None:
         raise ValueError(f"model has parameters not yet initialised (lazy modules: {', '.join(lazy[:3])}): run one "
                          f"forward on a sample batch before passing it, so that every rank builds the same shapes "
                          f"and the optimizer sees them")
-    sparse = [n for n, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+    sparse = [n for n, m in model.named_modules()
+              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
     if sparse:
         raise ValueError(f"model has sparse-gradient embeddings ({', '.join(sparse[:3])}: sparse=True): AdamW and "
                          f"the gradient-norm checks need dense gradients; build them with sparse=False")
@@ -1176,6 +1178,10 @@ class DDPTrainer:
             launch = rt.detect_launch_env()
             rank, world_size = launch["rank"], launch["world_size"]
             local_rank = launch["local_rank"] if local_rank is None else local_rank
+            if launch["launcher"] == "none" and dist.is_available() and dist.is_initialized():
+                # a group the caller made with no launcher's variables (mp.spawn and a tcp:// address): its own
+                rank, world_size = dist.get_rank(), dist.get_world_size()
+                local_rank = rank if local_rank == 0 else local_rank
         elif rank is None or world_size is None:
             raise ValueError(f"DDPTrainer: give rank and world_size together, or neither (taken from the "
                              f"launcher's environment); got rank={rank}, world_size={world_size}")
@@ -1272,7 +1278,7 @@ class DDPTrainer:
         cfg, env = self.cfg, self.env
         # released when train() ends (or by close()); before the logger, so that a refused run writes nothing
         self.run_lock = rt.RunDirLock(cfg.log_dir, cfg.checkpoint_dir)
-        holder = rt.broadcast_object(self.run_lock.acquire(rt.run_identity()) if env.is_main else None)
+        holder = rt.broadcast_object(self._take_run_lock() if env.is_main else None)
         if holder:
             whose = ("this process: another DDPTrainer on these dirs has not finished train(); call its close() "
                      "or drop it" if holder.startswith(rt.RunDirLock.this_process()) else
@@ -1304,6 +1310,15 @@ class DDPTrainer:
                              f"({ckpt_problem}); a state elsewhere still resumes with resume=PATH")
         if log_problem:
             raise ValueError(f"log_dir {cfg.log_dir}: cannot create the run's files there ({log_problem})")
+
+    def _take_run_lock(self) -> Optional[str]:
+        """None, or who holds the run dirs. A trainer of this process that was dropped without close() sits in
+        reference cycles (hooks on its model) until the cycle collector runs: a collection frees its lock."""
+        holder = self.run_lock.acquire(rt.run_identity())
+        if holder and holder.startswith(rt.RunDirLock.this_process()):
+            gc.collect()
+            holder = self.run_lock.acquire(rt.run_identity())
+        return holder
 
     def _take_builtin_lm(self, train_dataset, val_dataset, test_dataset, checkpoint_extra, describe) -> tuple:
         """No model given: the built-in CausalLM and its data (model, the three datasets, checkpoint_extra and
@@ -1461,7 +1476,8 @@ class DDPTrainer:
     def _wrap_model(self, model: nn.Module, describe: Optional[str]) -> None:
         """The model on its device (raw_model), compiled if asked, and in DDP on several ranks (model)."""
         cfg, env = self.cfg, self.env
-        self.raw_model = model.to(env.device)
+        # a model the caller compiled: its inner model is the one whose weights are saved and loaded
+        self.raw_model = getattr(model, "_orig_mod", model).to(env.device)
         # the step's gradient checks walk this list, not the module tree (~0.15 ms a step on a 12-layer model)
         self.named_params = list(self.raw_model.named_parameters())
         # BatchNorm's running statistics, which a training forward moves: a skipped or failed step puts them back
@@ -1474,10 +1490,11 @@ class DDPTrainer:
         np.random.seed(cfg.seed + 1000 * env.rank)
         random.seed(cfg.seed + 1000 * env.rank)
         n_params = sum(p.numel() for p in model.parameters())
-        self.log.info("model: %s, %s parameters", describe or type(model).__name__, f"{n_params:,}")
+        self.log.info("model: %s, %s parameters", describe or type(self.raw_model).__name__, f"{n_params:,}")
         if self.data_info:
             self.log.info("data: %s", self.data_info)
-        trained = torch.compile(model) if cfg.compile else model  # shares the parameters of `model`
+        compiled = model is not self.raw_model
+        trained = torch.compile(model) if cfg.compile and not compiled else model  # shares the parameters of `model`
         # DDP's, where there is DDP; one process checks unused parameters by it too
         self.model, self.static_graph = trained, use_static_graph(model, cfg)
         if not env.is_distributed:

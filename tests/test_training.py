@@ -515,9 +515,12 @@ def test_a_trainer_dropped_untrained_lets_go_of_its_run_dirs(tmp_path, no_launch
     notebook had to be restarted to use that run name again)."""
     import gc
     cfg = {**QUICK, **dirs(tmp_path), "max_steps": 3, "val_interval": 0}
-    DDPTrainer(config=cfg)  # built, never trained nor closed, and dropped
-    gc.collect()  # the trainer is in reference cycles (hooks on its model)
-    assert DDPTrainer(config=cfg).train()["steps"] == 3
+    gc.disable()  # the trainer is in reference cycles (hooks on its model): a collection is the refusal's to run
+    try:
+        DDPTrainer(config=cfg)  # built, never trained nor closed, and dropped
+        assert DDPTrainer(config=cfg).train()["steps"] == 3
+    finally:
+        gc.enable()
 
 
 class _Classifier(nn.Module):
@@ -560,7 +563,9 @@ def test_a_loss_fn_that_reaches_past_the_forward_fails_in_one_process_as_under_d
         DDPTrainer(config=cfg, loss_fn=_method_loss, **kwargs).train()
     summary = DDPTrainer(config=cfg, loss_fn=_forward_loss, **kwargs).train()
     assert summary["steps"] == 2
-    assert DDPTrainer(config=cfg, loss_fn=_method_loss, **kwargs).evaluate()["count"] == 16  # the bare model
+    evaluating = DDPTrainer(config=cfg, loss_fn=_method_loss, **kwargs)
+    assert evaluating.evaluate()["count"] == 16  # the bare model
+    evaluating.close()
 
 
 def _frozen():
@@ -581,11 +586,54 @@ def _frozen():
                                                               r"sparse=True\)"),
     # a backward error at the first step
     (_frozen, r"model has no parameter that requires a gradient \(all frozen\?\): nothing to train"),
+    (lambda: _Classifier().state_dict(), r"model must be a torch.nn.Module, got OrderedDict"),
 ])
 def test_a_model_this_trainer_cannot_train_is_refused_at_set_up(tmp_path, no_launch_env, make, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises((ValueError, TypeError), match=message):
         DDPTrainer(config={**QUICK, **dirs(tmp_path)}, model=make(), train_dataset=_classes(), loss_fn=_forward_loss)
     assert not list((tmp_path / "ckpt").glob("*.pt"))
+
+
+class _FrozenSparseLookup(nn.Module):
+    """A partly frozen model whose frozen part is a sparse embedding (no gradient: nothing sparse to step),
+    and a trained submodule named `module`, as DDP names its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding.from_pretrained(torch.randn(8, 8), freeze=True, sparse=True)
+        self.module = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.module(self.emb(x))))
+
+
+def test_a_partly_frozen_model_trains_and_saves_every_module(tmp_path, no_launch_env):
+    """A frozen sparse embedding was refused with the trainable ones; and a submodule named `module` was taken
+    for DDP's wrapper, so one process saved only that submodule and the resume was refused."""
+    x = torch.randint(0, 8, (64,), generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.TensorDataset(x, x % 3)
+    cfg = {**QUICK, **dirs(tmp_path), "max_steps": 3, "val_interval": 0}
+    model = _FrozenSparseLookup()
+    frozen = model.emb.weight.clone()
+    assert DDPTrainer(config=cfg, model=model, train_dataset=data, loss_fn=_forward_loss).train()["steps"] == 3
+    saved = torch.load(tmp_path / "ckpt" / "model_final.pt", weights_only=True)["model"]
+    assert sorted(saved) == sorted(model.state_dict())
+    assert torch.equal(saved["emb.weight"], frozen) and not torch.equal(saved["head.weight"], _FrozenSparseLookup().head.weight)
+    longer = DDPTrainer(config={**cfg, "max_steps": 5}, model=_FrozenSparseLookup(), train_dataset=data,
+                        loss_fn=_forward_loss)
+    assert longer.train()["steps"] == 5  # resumed from its state
+
+
+def test_a_model_the_caller_compiled_saves_bare_weights_and_resumes(tmp_path, no_launch_env):
+    """Its weights were saved without torch.compile's _orig_mod. prefix, then loaded into the compiled module,
+    which expects it: no resume, ever."""
+    cfg = {**QUICK, **dirs(tmp_path), "max_steps": 2, "val_interval": 0}
+    data = dict(train_dataset=_classes(), loss_fn=_forward_loss)
+    assert DDPTrainer(config=cfg, model=torch.compile(_Classifier()), **data).train()["steps"] == 2
+    saved = torch.load(tmp_path / "ckpt" / "model_final.pt", weights_only=True)["model"]
+    assert sorted(saved) == sorted(_Classifier().state_dict())
+    assert DDPTrainer(config={**cfg, "max_steps": 3}, model=torch.compile(_Classifier()), **data).train()["steps"] == 3
 
 
 def test_a_train_config_object_and_a_bad_count_unit(tmp_path, no_launch_env):
@@ -645,12 +693,25 @@ def test_every_rank_draws_its_own_random_numbers(tmp_path):
     assert [a != b for a, b in zip(r0, r1)] == [True, True, True], (r0, r1)
 
 
+def _own_group_then_a_trainer_of_it(rank, world_size, root):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)  # no RANK or WORLD_SIZE in the environment
+    try:
+        summary = DDPTrainer(config={**QUICK, "max_steps": 2, "val_interval": 0,
+                                     "log_dir": str(Path(root) / "logs")}).train()
+        return summary["world_size"], summary["steps"]
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.multi
 def test_rank_and_world_size_of_one_are_refused_in_a_group_of_two(tmp_path):
     """The check that a given rank/world_size fits the caller's group came after the one-process shortcut: two
-    ranks each building a 'world_size=1' trainer raced for one run dir, or trained and lost a peer."""
+    ranks each building a 'world_size=1' trainer raced for one run dir, or trained and lost a peer. Left out,
+    they come from the caller's group, which no launcher's variables describe (mp.spawn)."""
     for rank, msg in enumerate(spawn(_own_group_then_one_process_trainer, 2, str(tmp_path), timeout=120)):
         assert msg.startswith(f"a process group already exists as rank {rank}/2, not 0/1"), msg
+    assert spawn(_own_group_then_a_trainer_of_it, 2, str(tmp_path), timeout=120) == [(2, 2), (2, 2)]
 
 
 def test_steps_that_count_nothing_are_skipped_and_stop_the_run_after_max_bad_steps(tmp_path, no_launch_env):
