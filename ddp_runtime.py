@@ -1554,6 +1554,8 @@ class StopSignal:
     def install(self, names: Optional[tuple] = None) -> "StopSignal":
         for name in names or self.names:
             sig = getattr(signal, name, None)
+            if sig == signal.SIGINT and signal.getsignal(sig) is signal.SIG_IGN:
+                continue  # a Ctrl-C the shell told this process to ignore (`cmd &` in a script) stays ignored
             if sig is not None and sig not in self._previous:
                 try:
                     self._previous[sig] = signal.signal(sig, self._handler)

@@ -3338,9 +3338,9 @@ def _join_grace(procs: list, forwarded: list) -> Optional[float]:
 
 
 def _a_rank_died_of_the_stop(procs: list, forwarded: list) -> bool:
-    """Wait until a rank exits with an error, or all exit; whether one died of a forwarded stop signal (not
-    Ctrl-C's SIGINT, which a rank without a handler turns into a KeyboardInterrupt: exit 1, a failure). Then
-    torch's join takes over."""
+    """Wait until a rank exits with an error, or all exit; whether one died of a forwarded stop signal, or ended
+    its set-up on Ctrl-C (exit 130; a KeyboardInterrupt in the spawn's bootstrap dies by SIGINT, since Python
+    3.8). Not exit 1: a KeyboardInterrupt caught later, or a failure. Then torch's join takes over."""
     from multiprocessing.connection import wait
     while True:
         alive = [p.sentinel for p in procs if p.is_alive()]
@@ -3349,7 +3349,8 @@ def _a_rank_died_of_the_stop(procs: list, forwarded: list) -> bool:
         if not alive or any(p.exitcode not in (None, 0) for p in procs):  # never wait([]): that waits forever
             break
         wait(alive)
-    return bool(forwarded) and any(p.exitcode == -forwarded[0] != -signal.SIGINT for p in procs)
+    ctrl_c = (-signal.SIGINT, 128 + signal.SIGINT) if forwarded[:1] == [signal.SIGINT] else ()
+    return bool(forwarded) and any(p.exitcode == -forwarded[0] or p.exitcode in ctrl_c for p in procs)
 
 
 # What an --nproc run sets for its ranks, and puts back when they are done
@@ -3424,8 +3425,10 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker, early: Optional[r
         for p in context.processes if context is not None else ():
             if p.is_alive():
                 os.kill(p.pid, signum)
-    # before the start: a signal in between would kill this process and leave the ranks unattended
-    previous = {sig: signal.signal(sig, forward) for sig in (getattr(signal, n) for n in rt.StopSignal.SIGNALS)}
+    # before the start: a signal in between would kill this process and leave the ranks unattended. A Ctrl-C
+    # the shell told this process to ignore stays ignored, and so in the ranks, which inherit it.
+    previous = {sig: signal.signal(sig, forward) for sig in (getattr(signal, n) for n in rt.StopSignal.SIGNALS)
+                if not (sig == signal.SIGINT and signal.getsignal(sig) is signal.SIG_IGN)}
     if early is not None:
         early.hand_over(previous)
     stopped_early = early.value if early is not None else 0
@@ -3446,10 +3449,15 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker, early: Optional[r
             forward(forwarded[0], None)
         if _a_rank_died_of_the_stop(context.processes, forwarded):
             # still importing torch, it had no handler yet: nothing was trained, and its peers wait in a
-            # rendezvous that cannot complete, so they go too; a preemption like any other (relaunch to resume)
+            # rendezvous that cannot complete, so they go too (a peer that took the stop as a deferred one would
+            # wait out its set-up watch and leave a PREEMPTED marker); a preemption like any other (relaunch to
+            # resume), or Ctrl-C's 130
             for p in context.processes:
                 p.kill()
                 p.join()
+            if forwarded[0] == signal.SIGINT:
+                print(rt.CTRL_C_BEFORE_TRAINING, file=sys.stderr, flush=True)
+                return 128 + signal.SIGINT
             print(f"stopped by {signal.Signals(forwarded[0]).name} while the ranks were starting: nothing to save",
                   file=sys.stderr)
             return rt.EXIT_PREEMPTED

@@ -1852,6 +1852,42 @@ def test_ctrl_c_during_the_set_up_of_an_nproc_run_is_no_success(tmp_path, when):
     assert not (tmp_path / "logs" / "COMPLETED").exists() and not (tmp_path / "ckpt" / "model_final.pt").exists()
 
 
+CTRL_C_IN_ONE_RANKS_BOOTSTRAP = """
+import signal, sys, time
+sys.path.insert(0, {repo!r})
+import ddp_training
+
+
+def worker(rank, nproc, cfg, requested):
+    # rank 0 dies of the Ctrl-C, as a rank still in the spawn's bootstrap does (a KeyboardInterrupt there);
+    # rank 1 does not see it, as a rank blocked in its rendezvous (C++) waiting for rank 0 does not
+    signal.signal(signal.SIGINT, signal.SIG_DFL if rank == 0 else signal.SIG_IGN)
+    print("ready", flush=True)
+    time.sleep(120)
+
+
+if __name__ == "__main__":
+    sys.exit(ddp_training.spawn_local(2, {{}}, worker=worker))
+"""
+
+
+def test_a_rank_dead_of_ctrl_c_in_its_bootstrap_ends_its_peers_at_once(tmp_path):
+    """Under load a Ctrl-C killed one rank in the spawn's bootstrap (death by SIGINT, which was not taken for
+    a death of the stop) while its peer waited for it in the rendezvous: 30 s of grace, then a SIGTERM that the
+    peer took for a preemption, and 20 s later exit 75 with a PREEMPTED marker in a run that trained nothing
+    (a README audit). Its peers are now ended at once, and the run exits 130."""
+    script = tmp_path / "two_ranks.py"
+    script.write_text(CTRL_C_IN_ONE_RANKS_BOOTSTRAP.format(repo=str(REPO)))
+    with background([sys.executable, script], tmp_path, env=nproc_env()) as proc:
+        assert [proc.stdout.readline().strip() for _ in range(2)] == ["ready", "ready"]
+        start = time.time()
+        proc.send_signal(signal.SIGINT)  # to the parent, which passes it on
+        out, _ = proc.communicate(timeout=60)
+        took = time.time() - start
+    assert proc.returncode == 128 + signal.SIGINT and rt.CTRL_C_BEFORE_TRAINING in out, out[-3000:]
+    assert took < 20, f"{took:.1f} s: the peer was given the 30 s grace"
+
+
 def torch_is_loading(pid: int) -> bool:
     """Whether the process has begun to import torch (its shared library is mapped), so that it is past its
     first lines and the import has seconds left."""
@@ -1918,16 +1954,21 @@ def test_ctrl_c_with_stderr_gone_still_ends_the_process(tmp_path, when):
 
 def test_a_ctrl_c_the_shell_ignores_stays_ignored(tmp_path):
     """Bash starts a non-interactive script's background jobs with SIGINT ignored (a sweep's `cmd &`): a Ctrl-C
-    to the terminal is then not theirs, in the imports and in set-up, as Python leaves it."""
+    to the terminal is then not theirs, in the imports, in set-up (as Python leaves it) and in training (the
+    stop handler replaced it there, and the run stopped with exit 75)."""
     # it trains to the end: small validation and test sets (400000 x 0.1 each took a minute to evaluate)
-    cmd = [sys.executable, REPO / "ddp_training.py", *SLOW_SET_UP, "--val_fraction", "0.001", "--test_fraction", "0.001"]
+    cmd = [sys.executable, REPO / "ddp_training.py", *SLOW_SET_UP, "--val_fraction", "0.001", "--test_fraction", "0.001",
+           "--max_steps", "30"]
     with background(cmd, tmp_path, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) as proc:
         wait_until(proc, lambda: torch_is_loading(proc.pid), "torch's import")
         proc.send_signal(signal.SIGINT)
         wait_until(proc, (tmp_path / "logs" / "rank_0.log").exists, "its set-up")
         proc.send_signal(signal.SIGINT)
+        wait_for_step(tmp_path / "logs" / "metrics.jsonl", 2, timeout=120)
+        proc.send_signal(signal.SIGINT)  # and in training (the stop handler took it over there)
         out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0 and (tmp_path / "logs" / "COMPLETED").exists(), out[-3000:]
+    assert "stop signal received" not in out, out[-3000:]
 
 
 def test_a_ctrl_c_passed_on_before_a_rank_had_its_handler_stops_its_set_up_at_once(tmp_path):
