@@ -271,9 +271,10 @@ def scan_values(path, zf, key, member):
             row = math.prod(member.shape[1:])
             where = "" if member.fortran_order else f" (first in trajectory {(start + int(bad.argmax())) // row})"
             raise DataFileError(f"{path}: key '{key}' contains NaN or inf{where}; expected finite values")
-        if not varies:  # checked until one token varies: a chunk of real embeddings at once
+        if not varies:  # checked until one token varies: real embeddings within the first few tokens, so
+            # the whole chunk (another pass over it) is compared only where those were all constant
             tokens = values.reshape(-1, member.shape[-1])
-            varies = bool((tokens != tokens[:, :1]).any())
+            varies = bool((tokens[:64] != tokens[:64, :1]).any()) or bool((tokens != tokens[:, :1]).any())
         if key == "actions":
             for channel, (lo, hi) in channel_extrema(member, start, values).items():
                 old_lo, old_hi = extrema.get(channel, (lo, hi))

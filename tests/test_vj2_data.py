@@ -706,6 +706,15 @@ def test_high_compression_ratio_is_refused(tmp_path):
         validate_npz(path, max_ratio=10)
 
 
+def test_a_file_whose_first_tokens_are_constant_is_accepted(tmp_path):
+    """The constant-token check compares a chunk's first 64 tokens, and the whole chunk only where those are all
+    constant (blank first frames): a file with varying tokens after them is real data."""
+    emb, act = good(n=2, steps=4)  # 2 x 4 x 16 tokens: the first 64 are trajectory 0's
+    emb[0] = 0
+    np.savez(tmp_path / "blank_start.npz", embeddings=emb, actions=act)
+    assert len(VJ2TrajectoryDataset(tmp_path)) == 2
+
+
 def test_constant_actions_compressed_by_numpy_are_no_zip_bomb(tmp_path):
     """Idle recordings (all-zero actions) deflate at ~1016x, over the 1000x the guard allowed; deflate itself
     stops near 1032x."""
