@@ -1176,12 +1176,13 @@ class DDPTrainer:
             check_plain(repr(key), value, "resume_must_match")
         if rank is None and world_size is None:  # as the launcher (torchrun, SLURM) says; a plain process is 0 of 1
             launch = rt.detect_launch_env()
-            rank, world_size = launch["rank"], launch["world_size"]
-            local_rank = launch["local_rank"] if local_rank is None else local_rank
             if launch["launcher"] == "none" and dist.is_available() and dist.is_initialized():
                 # a group the caller made with no launcher's variables (mp.spawn and a tcp:// address): its own
+                # (the local rank, unless given: the rank, as one node's mp.spawn numbers them)
                 rank, world_size = dist.get_rank(), dist.get_world_size()
-                local_rank = rank if local_rank == 0 else local_rank
+            else:
+                rank, world_size = launch["rank"], launch["world_size"]
+                local_rank = launch["local_rank"] if local_rank is None else local_rank
         elif rank is None or world_size is None:
             raise ValueError(f"DDPTrainer: give rank and world_size together, or neither (taken from the "
                              f"launcher's environment); got rank={rank}, world_size={world_size}")
