@@ -210,8 +210,9 @@ def cpu_count() -> int:
 
 def limit_cpu_threads(local_world_size: int, world_size: int) -> None:
     """Share the cores among the ranks of this node: oversubscribed intra-op threads make
-    every rank slower than one process alone. An explicit OMP_NUM_THREADS wins, and a lower count this
-    process set itself (torch.set_num_threads) is kept."""
+    every rank slower than one process alone. An explicit OMP_NUM_THREADS wins, and the count is never raised:
+    a lower one the process has (a script's torch.set_num_threads, or torch's default, the physical cores, where
+    that is below the share) is kept."""
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, min(torch.get_num_threads(), cpus_per_rank(local_world_size, world_size))))
 

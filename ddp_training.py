@@ -830,7 +830,7 @@ class StepAbandoned(rt.Failed):
     started reducing): the run ends here, and the others learn why from this rank's FAILED marker."""
 
 
-def init_weights_in(ckpt, weights_key: str, extra: dict, must_match: dict) -> tuple:
+def init_weights_in(ckpt, weights_key: str, extra: dict, must_match: dict, own_keys: frozenset = frozenset()) -> tuple:
     """(the weights, a note of where they come from) in a file given as init_from: this kit's weights file (its
     `weights_key`), a resumable state (its model) or a bare state dict. The model's settings that the file
     records must be this model's, dropout aside (a count of heads changes what the same shapes compute, an
@@ -863,8 +863,9 @@ def init_weights_in(ckpt, weights_key: str, extra: dict, must_match: dict) -> tu
             continue
         if differ:
             raise ValueError(f"its {key} differs from this model's ({shown})")
-    for prefix in ("module.", "_orig_mod."):  # saved from a DDP or a compiled model
-        if weights and all(k.startswith(prefix) for k in weights):
+    for prefix in ("module.", "_orig_mod."):  # saved from a DDP or a compiled model, unless the model's own
+        # names begin so (`own_keys`: a wrapper whose one child is named `module`, as an EMA wrapper's is)
+        if weights and all(k.startswith(prefix) for k in weights) and not set(weights) <= own_keys:
             weights = {k[len(prefix):]: v for k, v in weights.items()}
     step = (ckpt.get("counters") or {}).get("global_step") if state else ckpt.get("global_step")
     return weights, (f" (step {step} of the run that saved it)" if isinstance(step, int) else "")
@@ -1089,8 +1090,9 @@ def evaluate_model(model: nn.Module, loader, loss_fn: LossFn, device: torch.devi
 
 def check_trainable(model) -> None:
     """Refuses at set-up a model this trainer would fail on at its first step, or train wrongly."""
-    if isinstance(model, (DDP, nn.DataParallel)):
-        raise ValueError(f"model is already wrapped in {type(model).__name__}: pass the bare module "
+    inner = getattr(model, "_orig_mod", model)  # a model the caller compiled: what it compiled
+    if isinstance(inner, (DDP, nn.DataParallel)):
+        raise ValueError(f"model is already wrapped in {type(inner).__name__}: pass the bare module "
                          f"(model.module); the trainer wraps it itself, and saves its weights without the "
                          f"wrapper's 'module.' prefix")
     if not isinstance(model, nn.Module):
@@ -1176,9 +1178,10 @@ class DDPTrainer:
             check_plain(repr(key), value, "resume_must_match")
         if rank is None and world_size is None:  # as the launcher (torchrun, SLURM) says; a plain process is 0 of 1
             launch = rt.detect_launch_env()
-            if launch["launcher"] == "none" and dist.is_available() and dist.is_initialized():
-                # a group the caller made with no launcher's variables (mp.spawn and a tcp:// address): its own
-                # (the local rank, unless given: the rank, as one node's mp.spawn numbers them)
+            if launch["world_size"] == 1 and dist.is_available() and dist.is_initialized():
+                # a group the caller made (mp.spawn and a tcp:// address), where no launcher or a launcher of one
+                # process (srun -n1, torchrun --nproc_per_node=1) says otherwise: the group's numbers (the local
+                # rank, unless given: the rank, as one node's mp.spawn numbers them)
                 rank, world_size = dist.get_rank(), dist.get_world_size()
             else:
                 rank, world_size = launch["rank"], launch["world_size"]
@@ -2207,7 +2210,7 @@ class DDPTrainer:
         same weights there; a file that does not fit the model is refused on every rank, naming what differs."""
         try:
             weights, note = init_weights_in(rt.load_checkpoint(path), self.weights_key, self.checkpoint_extra,
-                                            self.resume_must_match)
+                                            self.resume_must_match, frozenset(self.raw_model.state_dict()))
             check_fit(weights, self.raw_model.state_dict())
             self.raw_model.load_state_dict(weights)
             error = None
@@ -3315,6 +3318,11 @@ def _train_and_exit_code(rank: int, world_size: int, cfg: dict, local_rank: Opti
 
 
 def _spawned_worker(rank: int, world_size: int, cfg: dict, requested=None) -> None:
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # torch's spawn makes a rank's parent's death send it SIGINT, which a rank that inherited an ignored
+        # Ctrl-C ignores: it would train on as an orphan, holding the run dirs. SIGTERM is a stop: it saves.
+        import torch.multiprocessing as mp
+        mp._prctl_pr_set_pdeathsig(signal.SIGTERM)
     try:
         code = _train_and_exit_code(rank, world_size, cfg, requested=requested, show_refusal=False)
     except KeyboardInterrupt:  # Ctrl-C in set-up; torch's spawn wrapper would make it exit 0, a success

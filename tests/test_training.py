@@ -578,6 +578,8 @@ def _frozen():
     # trained, then its replicas 'diverged', and its weights were saved as module.*
     (lambda: nn.DataParallel(_Classifier()), r"model is already wrapped in DataParallel: pass the bare module "
                                              r"\(model.module\)"),
+    # compiled around the wrapper: its weights were saved as module.*
+    (lambda: torch.compile(nn.DataParallel(_Classifier())), r"model is already wrapped in DataParallel"),
     # torch's own error at the optimizer's build, naming nothing of this trainer
     (lambda: nn.Sequential(nn.LazyLinear(3)), r"model has parameters not yet initialised \(lazy modules: 0.weight, "
                                               r"0.bias\): run one forward on a sample batch before passing it"),
@@ -623,6 +625,29 @@ def test_a_partly_frozen_model_trains_and_saves_every_module(tmp_path, no_launch
     longer = DDPTrainer(config={**cfg, "max_steps": 5}, model=_FrozenSparseLookup(), train_dataset=data,
                         loss_fn=_forward_loss)
     assert longer.train()["steps"] == 5  # resumed from its state
+
+
+class _EmaLike(nn.Module):
+    """A wrapper whose one child is named `module`, as an EMA wrapper's is: its weights are all module.*."""
+
+    def __init__(self):
+        super().__init__()
+        self.module = _Classifier()
+
+    def forward(self, x):
+        return self.module(x)
+
+
+def test_init_from_keeps_a_module_prefix_that_is_the_models_own(tmp_path, no_launch_env):
+    """init_from dropped a `module.` prefix common to every key as DDP's, and refused the model's own file."""
+    data = dict(train_dataset=_classes(), loss_fn=_forward_loss)
+    cfg = {**QUICK, "max_steps": 2, "val_interval": 0}
+    DDPTrainer(config={**cfg, **dirs(tmp_path / "a")}, model=_EmaLike(), **data).train()
+    final = tmp_path / "a" / "ckpt" / "model_final.pt"
+    tuned = DDPTrainer(config={**cfg, **dirs(tmp_path / "b"), "init_from": str(final)}, model=_EmaLike(), **data)
+    saved = torch.load(final, weights_only=True)["model"]
+    assert all(torch.equal(saved[k], v) for k, v in tuned.raw_model.state_dict().items())
+    tuned.close()
 
 
 def test_a_model_the_caller_compiled_saves_bare_weights_and_resumes(tmp_path, no_launch_env):
@@ -693,11 +718,12 @@ def test_every_rank_draws_its_own_random_numbers(tmp_path):
     assert [a != b for a, b in zip(r0, r1)] == [True, True, True], (r0, r1)
 
 
-def _own_group_then_a_trainer_of_it(rank, world_size, root):
+def _own_group_then_a_trainer_of_it(rank, world_size, root, launcher_env=None):
     import torch.distributed as dist
+    os.environ.update(launcher_env or {})
     dist.init_process_group("gloo", rank=rank, world_size=world_size)  # no RANK or WORLD_SIZE in the environment
     try:
-        summary = DDPTrainer(config={**QUICK, "max_steps": 2, "val_interval": 0,
+        summary = DDPTrainer(config={**QUICK, "max_steps": 2, "val_interval": 0, "resume": "none",
                                      "log_dir": str(Path(root) / "logs")}).train()
         return summary["world_size"], summary["steps"]
     finally:
@@ -712,6 +738,9 @@ def test_rank_and_world_size_of_one_are_refused_in_a_group_of_two(tmp_path):
     for rank, msg in enumerate(spawn(_own_group_then_one_process_trainer, 2, str(tmp_path), timeout=120)):
         assert msg.startswith(f"a process group already exists as rank {rank}/2, not 0/1"), msg
     assert spawn(_own_group_then_a_trainer_of_it, 2, str(tmp_path), timeout=120) == [(2, 2), (2, 2)]
+    # inside a launcher's step of one process (srun -n1): the group's numbers too
+    one_task = {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"}
+    assert spawn(_own_group_then_a_trainer_of_it, 2, str(tmp_path), one_task, timeout=120) == [(2, 2), (2, 2)]
 
 
 def test_steps_that_count_nothing_are_skipped_and_stop_the_run_after_max_bad_steps(tmp_path, no_launch_env):
@@ -1879,7 +1908,11 @@ def test_a_rank_dead_of_ctrl_c_in_its_bootstrap_ends_its_peers_at_once(tmp_path)
     script = tmp_path / "two_ranks.py"
     script.write_text(CTRL_C_IN_ONE_RANKS_BOOTSTRAP.format(repo=str(REPO)))
     with background([sys.executable, script], tmp_path, env=nproc_env()) as proc:
-        assert [proc.stdout.readline().strip() for _ in range(2)] == ["ready", "ready"]
+        ready = 0
+        while ready < 2:  # other lines (a warning of an import) may come first
+            line = proc.stdout.readline()
+            assert line, "the ranks ended before they were ready"
+            ready += line.strip() == "ready"
         start = time.time()
         proc.send_signal(signal.SIGINT)  # to the parent, which passes it on
         out, _ = proc.communicate(timeout=60)
@@ -1969,6 +2002,34 @@ def test_a_ctrl_c_the_shell_ignores_stays_ignored(tmp_path):
         out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0 and (tmp_path / "logs" / "COMPLETED").exists(), out[-3000:]
     assert "stop signal received" not in out, out[-3000:]
+
+
+@pytest.mark.multi
+def test_nproc_ranks_that_inherit_an_ignored_ctrl_c_still_stop_when_their_parent_dies(tmp_path):
+    """torch's spawn has a rank's parent's death send it SIGINT; a rank that inherited SIGINT ignored (`cmd &`
+    in a script) trained on as an orphan when its parent was killed (the OOM killer), holding the run dirs."""
+    cmd = [sys.executable, REPO / "ddp_training.py", "--cpu", "--nproc", "2", "--test", "--max_steps", "100000",
+           "--val_interval", "0", "--log_interval", "1", "--log_dir", "logs", "--checkpoint_dir", "ckpt"]
+    with background(cmd, tmp_path, env=nproc_env(),
+                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) as proc:
+        wait_for_step(tmp_path / "logs" / "metrics.jsonl", 3, timeout=90)
+        ranks = [p for p in psutil.Process(proc.pid).children() if "resource_tracker" not in " ".join(p.cmdline())]
+        assert len(ranks) == 2
+        proc.kill()
+        deadline = time.time() + 60
+        while any(still_running(p) for p in ranks) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not any(still_running(p) for p in ranks), "the ranks train on without their parent"
+    log = (tmp_path / "logs" / "rank_0.log").read_text()
+    assert "stop signal received (SIGTERM" in log, log[-3000:]  # a stop: it saved
+
+
+def still_running(p: psutil.Process) -> bool:
+    """Still running: an orphan that ended may stay a zombie until whoever adopted it reaps it."""
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_a_ctrl_c_passed_on_before_a_rank_had_its_handler_stops_its_set_up_at_once(tmp_path):
