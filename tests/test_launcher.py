@@ -152,6 +152,9 @@ def test_multi_node_restarts_use_c10d_rendezvous(tmp_path, fake_bin):
     nodes = ["--cpu", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29600"]
     r = launch(nodes, tmp_path, fake_bin)
     assert "[--node_rank][1][--master_addr][10.0.0.1][--master_port][29600]" in r.stdout, r.stdout
+    assert "[--rdzv_conf][timeout=600,join_timeout=600]" in r.stdout, r.stdout  # torchrun's own default, said
+    r = launch([*nodes, "--rdzv-timeout", "45"], tmp_path, fake_bin)
+    assert "[--rdzv_conf][timeout=45,join_timeout=45]" in r.stdout and "waiting up to 45s" in r.stdout, r.stdout
     r = launch([*nodes, "--max-restarts", "2"], tmp_path, fake_bin, SLURM_JOB_ID="4711")
     assert "[--rdzv_backend][c10d][--rdzv_endpoint][10.0.0.1:29600][--rdzv_id][4711]" in r.stdout, r.stdout
     assert "--node_rank" not in r.stdout and "[--max_restarts][2]" in r.stdout

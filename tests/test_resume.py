@@ -472,6 +472,40 @@ def test_the_grad_scalers_state_survives_a_resume(tmp_path, no_launch_env, cpu_f
     assert_bit_identical(final_weights(tmp_path / "run"), final_weights(tmp_path / "ref"))
 
 
+def test_an_explicit_resume_path_in_a_finished_run_trains_from_it(tmp_path, no_launch_env):
+    """COMPLETED means "nothing to do" for --resume auto only: a finished run resumed from one of its states by
+    path trains again from there (to the same end, bit-identical), it is not answered with the old summary."""
+    DDPTrainer(config=cfg_for(tmp_path)).train()  # 20 steps, the newest states (15, 20) kept; COMPLETED
+    first = final_weights(tmp_path)
+    state = tmp_path / "ckpt" / "model_state_step_15.pt"
+    again = DDPTrainer(config=cfg_for(tmp_path, resume=str(state))).train()
+    assert "already_complete" not in again and again["steps"] == 20 and again["resumed_from"] == str(state)
+    assert_bit_identical(final_weights(tmp_path), first)
+
+
+def test_a_relaunch_of_a_finished_run_marks_it_complete_for_this_launch(tmp_path, no_launch_env, monkeypatch):
+    """A relaunch with nothing to do rewrites COMPLETED with its launch id (launch_training.sh reads it: a stop
+    that reaches torchrun now finds the run complete, exit 0, not 1)."""
+    from ddp_training import COMPLETED_MARKER
+    monkeypatch.setenv("DDP_KIT_LAUNCH_ID", "first")
+    DDPTrainer(config=cfg_for(tmp_path)).train()
+    marker = tmp_path / "logs" / COMPLETED_MARKER
+    assert json.loads(marker.read_text())["launch_id"] == "first"
+    monkeypatch.setenv("DDP_KIT_LAUNCH_ID", "second")
+    assert DDPTrainer(config=cfg_for(tmp_path)).train()["already_complete"]
+    record = json.loads(marker.read_text())
+    assert record["launch_id"] == "second" and record["summary"]["steps"] == 20
+
+
+def test_a_resumed_run_leaves_one_summary_in_its_metrics(tmp_path, no_launch_env):
+    """The stopped session's summary is no end of the run: resuming drops it, and the file ends with the one
+    summary of the run's end (metrics.jsonl continues on resume)."""
+    assert DDPTrainer(config=cfg_for(tmp_path), loss_fn=SignalAt(6)).train()["status"] == "interrupted"
+    assert [s["status"] for s in metrics(tmp_path / "logs", "summary")] == ["interrupted"]
+    DDPTrainer(config=cfg_for(tmp_path)).train()
+    assert [(s["status"], s["steps"]) for s in metrics(tmp_path / "logs", "summary")] == [("completed", 20)]
+
+
 def test_a_changed_learning_rate_applies_after_resume(tmp_path, no_launch_env, caplog):
     """The optimizer state holds the rate it was saved with: the config's rate and schedule must win."""
     from ddp_training import lr_factor

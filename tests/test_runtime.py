@@ -793,6 +793,31 @@ def test_a_sidecar_without_a_digest_is_a_checkpoint_error_naming_it(tmp_path, si
     assert torch.equal(rt.load_checkpoint(path, verify=False)["w"], torch.arange(4.0))
 
 
+def test_a_failed_write_that_a_later_write_of_its_path_replaced_is_not_written_again(tmp_path, monkeypatch):
+    """Two saves of one path at one save point (a step file saved again with its val_loss): the first fails after
+    the second was queued, the second is written. Writing the failed ones again must not put the older copy
+    back over the newer file."""
+    save, calls = rt.atomic_save, []
+
+    def first_fails_slowly(obj, path):
+        calls.append(obj["v"].item())
+        if len(calls) == 1:
+            time.sleep(0.3)  # the second save is queued meanwhile
+            raise OSError(28, "No space left on device")
+        return save(obj, path)
+    monkeypatch.setattr(rt, "atomic_save", first_fails_slowly)
+    writer = rt.CheckpointWriter()
+    path = tmp_path / "model_step_4.pt"
+    writer.save({"v": torch.tensor(1.0)}, path, group=4, again=True)
+    writer.save({"v": torch.tensor(2.0)}, path, group=4, again=True)
+    with pytest.raises(rt.CheckpointError, match="No space left on device"):
+        writer.flush()
+    writer.write_failed_again()
+    writer.flush()
+    assert calls == [1.0, 2.0] and torch.load(path, weights_only=True)["v"] == 2.0
+    assert writer.close() is None
+
+
 def test_atomic_save_syncs_the_file_before_the_rename_and_the_dir_after(tmp_path, monkeypatch):
     """Without the first fsync a crash can leave the new name on a file with no data; without the second, the old
     file back under the name after a crash that followed the save."""

@@ -1561,6 +1561,20 @@ def _says_its_port(rank, world_size, cfg, requested):
     rt.exit_process(0)
 
 
+def test_nproc_exits_as_a_rank_whose_set_up_a_second_stop_ended():
+    """A rank ended in set-up by a second SIGTERM exits 143 (rt.SetUpWatch); --nproc exits so too, as one
+    process would, not 1; a plain failure stays 1 and a preemption 75."""
+    import torch.multiprocessing as mp
+    from ddp_training import _spawn_exit_status
+
+    def died(code):
+        return mp.ProcessExitedException("rank 1 exited", error_index=1, error_pid=4242, exit_code=code)
+    term = [signal.SIGTERM, signal.SIGTERM]
+    assert _spawn_exit_status(died(128 + signal.SIGTERM), None, term) == 128 + signal.SIGTERM
+    assert _spawn_exit_status(died(rt.EXIT_PREEMPTED), None, term) == rt.EXIT_PREEMPTED
+    assert _spawn_exit_status(died(1), None, term) == 1
+
+
 def test_nproc_meets_on_master_port_where_it_is_set_and_puts_the_environment_back(tmp_path, monkeypatch):
     import ddp_training
     port = free_ports(1)[0]

@@ -953,3 +953,17 @@ def test_a_record_whose_step_is_true_is_skipped(tmp_path, capsys):
     run = tl.load_run(write_run(tmp_path / "b", recs))
     assert [r["step"] for r in run.train] == [1, 3]
     assert "metrics.jsonl:2: step True is not a whole number; record skipped" in capsys.readouterr().err
+
+
+def test_a_metric_in_train_and_val_records_is_read_from_the_train_records_by_default(tmp_path):
+    """series() without a kind takes the train records of a metric both kinds hold (as available_metrics says)."""
+    recs = []
+    for s in range(1, 7):  # as the trainer writes them: a step's validation after its train record
+        recs.append({"type": "train", "step": s, "loss": 1.0 / s, "lr": 0.1 * s, "time": float(s)})
+        if s % 3 == 0:
+            recs.append({"type": "val", "step": s, "val_loss": 1.0, "lr": 0.5, "time": s + 0.5})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    run = tl.load_run(tmp_path)
+    assert tl.available_metrics([run])["lr"] == "train"
+    xs, ys = tl.series(run, "lr")
+    assert xs == list(range(1, 7)) and ys == [0.1 * s for s in range(1, 7)]

@@ -649,6 +649,22 @@ def test_resuming_on_other_data_is_refused(tmp_path, no_launch_env, capsys):
     assert torch.load(tmp_path / "ckpt" / "vjepa2_final.pt", weights_only=True)["global_step"] == 4
 
 
+def test_evaluate_reports_each_loss_term_under_its_own_name(tmp_path, no_launch_env, capsys):
+    """--evaluate of the final weights on the validation set the run used gives the jloss and sloss its last
+    validation logged (val_jloss, val_sloss), each under its own name, not merely a right total."""
+    make_vj2_data(tmp_path, 1, 8, 8)
+    data = ["--validation_data_dir", str(tmp_path / "val"), "--device", "cpu"]
+    assert vj2.main([*data, "--processed_data_dir", str(tmp_path / "train"), "--checkpoint_dir", str(tmp_path / "ckpt"),
+                     "--preset", "tiny", "--max_steps", "4", "--val_every_iters", "4", "--rollout_horizon", "1"]) == 0
+    (val,) = [r for r in metrics(tmp_path / "ckpt", "val") if r["step"] == 4]
+    assert val["val_jloss"] != pytest.approx(val["val_sloss"], rel=1e-3)  # the terms can be told apart
+    capsys.readouterr()
+    assert vj2.main(["--evaluate", str(tmp_path / "ckpt" / "vjepa2_final.pt"), *data]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["jloss"] == pytest.approx(val["val_jloss"], rel=1e-5)
+    assert out["sloss"] == pytest.approx(val["val_sloss"], rel=1e-5)
+
+
 def test_a_run_refused_by_the_run_dir_lock_writes_nothing_there(tmp_path, no_launch_env, capsys):
     """The data checks log before the trainer takes the run dir's lock: their lines wait for it, so a run
     refused there leaves the holder's rank_0.log as it was; a run that gets the dir writes them first."""
