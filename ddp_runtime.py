@@ -935,11 +935,16 @@ class RunDirLock:
         import fcntl
         if os.getpid() != pid:  # a forked child: its copies were closed at the fork
             return
-        for fd in fds:
+        while fds:
+            # off the list before it is closed: a Ctrl-C in between (a rank gets it twice, from its group and its
+            # parent) must not leave a closed descriptor there for the finalizer to close again (EBADF, or another
+            # file's, reused); at worst the lock stays held until the process exits
+            fd = fds.pop()
             _HELD_LOCK_FDS.discard(fd)
-            fcntl.flock(fd, fcntl.LOCK_UN)  # also for a child that may still share it
-            os.close(fd)
-        fds.clear()
+            try:
+                fcntl.flock(fd, fcntl.LOCK_UN)  # also for a child that may still share it
+            finally:
+                os.close(fd)
 
 
 _HELD_LOCK_FDS: set = set()

@@ -860,6 +860,25 @@ def test_pruning_removes_the_older_files_with_their_sidecars_and_keeps_the_newes
     assert rt.load_checkpoint(paths[2])["step"] == 3
 
 
+def test_a_ctrl_c_inside_a_lock_release_never_closes_its_descriptor_twice(tmp_path, monkeypatch):
+    """A rank gets a Ctrl-C twice (its group's and its parent's): the second landed in release() after the
+    close and before the list was cleared, and the finalizer closed the descriptor again (EBADF, a traceback
+    in the set-up's one line; or another file's descriptor, reused meanwhile)."""
+    lock = rt.RunDirLock(tmp_path)
+    assert lock.acquire() is None
+    real_close = os.close
+
+    def close_then_ctrl_c(fd):
+        real_close(fd)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(rt.os, "close", close_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        lock.release()
+    monkeypatch.undo()
+    lock.release()  # and the finalizer, later: nothing left to close
+    assert rt.RunDirLock(tmp_path).acquire() is None
+
+
 def test_a_run_dir_lock_dies_with_its_process_not_with_the_children_it_forked(tmp_path):
     """A rank killed outright while its forked DataLoader workers linger (they exit seconds later) must not
     leave the dir locked for a relaunch, and release() lets go even while such a child lives."""

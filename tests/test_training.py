@@ -1951,6 +1951,15 @@ def wait_until(proc, ready, what: str) -> None:
     assert proc.poll() is None, f"the run ended before {what}"
 
 
+def in_set_up(log_dir: Path) -> bool:
+    """The run's logger is attached (its first line is in rank_0.log): a Ctrl-C from here on is logged there.
+    The file alone exists a moment before, and a Ctrl-C in that moment has no log to go to."""
+    try:
+        return "local_rank" in (log_dir / "rank_0.log").read_text()
+    except OSError:
+        return False
+
+
 SLOW_SET_UP = ["--cpu", "--max_steps", "2", "--log_dir", "logs", "--checkpoint_dir", "ckpt", "--dataset_size", "400000"]
 
 
@@ -1972,7 +1981,7 @@ def test_ctrl_c_in_the_set_up_of_one_process_is_one_line_a_log_warning_and_a_sto
     and 'trainer set-up failed' with it in rank_0.log, which training_logs read as a failure."""
     import training_logs
     with background([sys.executable, REPO / "ddp_training.py", *SLOW_SET_UP], tmp_path, stderr=subprocess.PIPE) as proc:
-        wait_until(proc, (tmp_path / "logs" / "rank_0.log").exists, "its set-up")
+        wait_until(proc, lambda: in_set_up(tmp_path / "logs"), "its set-up")
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGINT, err
@@ -1992,7 +2001,7 @@ def test_ctrl_c_with_stderr_gone_still_ends_the_process(tmp_path, when):
         if when == "importing-torch":
             wait_until(proc, lambda: torch_is_loading(proc.pid), "torch's import")
         else:
-            wait_until(proc, (tmp_path / "logs" / "rank_0.log").exists, "its set-up")
+            wait_until(proc, lambda: in_set_up(tmp_path / "logs"), "its set-up")
         proc.stderr.close()
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
@@ -2009,7 +2018,7 @@ def test_a_ctrl_c_the_shell_ignores_stays_ignored(tmp_path):
     with background(cmd, tmp_path, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) as proc:
         wait_until(proc, lambda: torch_is_loading(proc.pid), "torch's import")
         proc.send_signal(signal.SIGINT)
-        wait_until(proc, (tmp_path / "logs" / "rank_0.log").exists, "its set-up")
+        wait_until(proc, lambda: in_set_up(tmp_path / "logs"), "its set-up")
         proc.send_signal(signal.SIGINT)
         wait_for_step(tmp_path / "logs" / "metrics.jsonl", 2, timeout=120)
         proc.send_signal(signal.SIGINT)  # and in training (the stop handler took it over there)
