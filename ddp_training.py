@@ -2994,7 +2994,7 @@ class DDPTrainer:
                     os.replace(f, aside / f.name)
         self.log.warning("moved %d resumable state(s) past step %d and %d weights file(s) (%s) to %s", len(old),
                          self.global_step, len(weights),
-                         "an earlier run's" if fresh else "past the state this run resumes from", aside)
+                         "from before this fresh start" if fresh else "past the state this run resumes from", aside)
 
     def _saved_step(self, path: Path) -> Optional[int]:
         """The global_step a weights file holds (memory-mapped: the weights are not read); None without one."""

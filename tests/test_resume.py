@@ -242,7 +242,7 @@ def test_resume_none_starts_fresh_and_sets_the_old_states_aside(tmp_path, no_lau
     (aside,) = ckpt.glob("previous_states.*")
     assert sorted(p.name for p in aside.glob("model_state_*.pt")) == ["model_state_step_15.pt",
                                                                       "model_state_step_20.pt"]
-    assert f"weights file(s) (an earlier run's) to {aside}" in (tmp_path / "logs" / "rank_0.log").read_text()
+    assert f"weights file(s) (from before this fresh start) to {aside}" in (tmp_path / "logs" / "rank_0.log").read_text()
     # and so are its weights files, which the new run overwrote (final, step_10) or left beside its own (step_20)
     assert {p.name for p in aside.glob("*.pt")} - {p.name for p in aside.glob("model_state_*.pt")} == {
         "model_best.pt", "model_final.pt", *(f"model_step_{n}.pt" for n in (5, 10, 15, 20))}
