@@ -1537,6 +1537,12 @@ class _DispatchIterator:
 # Signals
 # ----------------------------------------------------------------------------
 
+def ctrl_c_ignored() -> bool:
+    """The shell told this process to ignore Ctrl-C (`cmd &` in a script): it stays ignored, in set-up, in training
+    and in the ranks it starts."""
+    return signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+
 class StopSignal:
     """Sets a flag on SIGINT/SIGTERM/SIGUSR1; the trainer agrees on it at the next step boundary.
 
@@ -1560,8 +1566,8 @@ class StopSignal:
     def install(self, names: Optional[tuple] = None) -> "StopSignal":
         for name in names or self.names:
             sig = getattr(signal, name, None)
-            if sig == signal.SIGINT and signal.getsignal(sig) is signal.SIG_IGN:
-                continue  # a Ctrl-C the shell told this process to ignore (`cmd &` in a script) stays ignored
+            if sig == signal.SIGINT and ctrl_c_ignored():
+                continue
             if sig is not None and sig not in self._previous:
                 try:
                     self._previous[sig] = signal.signal(sig, self._handler)

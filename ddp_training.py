@@ -1112,9 +1112,7 @@ def check_trainable(model) -> None:
 
 
 def module_structure(model: nn.Module) -> list:
-    """[name, class] of every module of the model (a compiled one's inner model): what a resume checks beside
-    the weights' names and shapes."""
-    model = getattr(model, "_orig_mod", model)
+    """[name, class] of every module of the model: what a resume checks beside the weights' names and shapes."""
     return [[name or "", type(m).__qualname__] for name, m in model.named_modules()]
 
 
@@ -1484,6 +1482,7 @@ class DDPTrainer:
         self.raw_model = getattr(model, "_orig_mod", model).to(env.device)
         # the step's gradient checks walk this list, not the module tree (~0.15 ms a step on a 12-layer model)
         self.named_params = list(self.raw_model.named_parameters())
+        self.module_classes = module_structure(self.raw_model)  # what every state records, and a resume compares
         # BatchNorm's running statistics, which a training forward moves: a skipped or failed step puts them back
         self.running_stats = [b for m in self.raw_model.modules() if isinstance(m, nn.modules.batchnorm._NormBase)
                               and m.track_running_stats for b in m.buffers(recurse=False)]
@@ -2137,14 +2136,14 @@ class DDPTrainer:
                 "counters": {k: getattr(self, k) for k in self.STATE_COUNTERS},
                 "rng": per_rank_rng, "run": self._run_signature(), "seeded_samples": self._seeded_samples(),
                 "data_fingerprint": self.data_fingerprint, "must_match": self.resume_must_match,
-                "modules": module_structure(self.raw_model), "run_id": self.run_id,
+                "modules": self.module_classes, "run_id": self.run_id,
                 "init_from": self.initialised_from}
 
     def _check_modules(self, saved: Optional[list], path: Path) -> None:
         """A state resumes only into a model of the same modules: weights of the same names and shapes load
         into a model with another activation (ReLU for GELU) without a word, and a finished run would hand back
         its old summary. States before 27 Nov 2026 hold no list: not checked."""
-        mine = module_structure(self.raw_model)
+        mine = self.module_classes
         if saved is None or saved == mine:
             return
         was, now = dict(map(tuple, saved)), dict(map(tuple, mine))
@@ -3318,7 +3317,7 @@ def _train_and_exit_code(rank: int, world_size: int, cfg: dict, local_rank: Opti
 
 
 def _spawned_worker(rank: int, world_size: int, cfg: dict, requested=None) -> None:
-    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    if rt.ctrl_c_ignored():
         # torch's spawn makes a rank's parent's death send it SIGINT, which a rank that inherited an ignored
         # Ctrl-C ignores: it would train on as an orphan, holding the run dirs. SIGTERM is a stop: it saves.
         import torch.multiprocessing as mp
@@ -3346,6 +3345,11 @@ def _join_grace(procs: list, forwarded: list) -> Optional[float]:
     return SAVE_GRACE_S if procs[0].exitcode is None and not crashed else PEER_GRACE_S
 
 
+# How a rank ends on a Ctrl-C before it trains: dead of SIGINT (a KeyboardInterrupt in the spawn's bootstrap, since
+# Python 3.8), or exit 130 (its set-up stopped, rt.SetUpWatch)
+CTRL_C_IN_SET_UP = (-signal.SIGINT, 128 + signal.SIGINT)
+
+
 def _a_rank_died_of_the_stop(procs: list, forwarded: list) -> bool:
     """Wait until a rank exits with an error, or all exit; whether one died of a forwarded stop signal, or ended
     its set-up on Ctrl-C (exit 130; a KeyboardInterrupt in the spawn's bootstrap dies by SIGINT, since Python
@@ -3358,7 +3362,7 @@ def _a_rank_died_of_the_stop(procs: list, forwarded: list) -> bool:
         if not alive or any(p.exitcode not in (None, 0) for p in procs):  # never wait([]): that waits forever
             break
         wait(alive)
-    ctrl_c = (-signal.SIGINT, 128 + signal.SIGINT) if forwarded[:1] == [signal.SIGINT] else ()
+    ctrl_c = CTRL_C_IN_SET_UP if forwarded[:1] == [signal.SIGINT] else ()
     return bool(forwarded) and any(p.exitcode == -forwarded[0] or p.exitcode in ctrl_c for p in procs)
 
 
@@ -3388,7 +3392,7 @@ def _spawn_exit_status(exc, refused: Optional[str], forwarded: list) -> int:
         return EXIT_BAD_INPUT
     # Ctrl-C in the ranks' set-up (130), or while they import torch: Python's KeyboardInterrupt there is
     # exit 1, or death by SIGINT. Once they train, it is a stop like SIGTERM (75).
-    if forwarded[:1] == [signal.SIGINT] and exc.exit_code in (1, -signal.SIGINT, 128 + signal.SIGINT):
+    if forwarded[:1] == [signal.SIGINT] and exc.exit_code in (1, *CTRL_C_IN_SET_UP):
         print(rt.CTRL_C_BEFORE_TRAINING, file=sys.stderr, flush=True)
         return 128 + signal.SIGINT
     if exc.exit_code in (rt.EXIT_PREEMPTED, EXIT_BAD_INPUT) or exc.exit_code > 128:
@@ -3437,7 +3441,7 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker, early: Optional[r
     # before the start: a signal in between would kill this process and leave the ranks unattended. A Ctrl-C
     # the shell told this process to ignore stays ignored, and so in the ranks, which inherit it.
     previous = {sig: signal.signal(sig, forward) for sig in (getattr(signal, n) for n in rt.StopSignal.SIGNALS)
-                if not (sig == signal.SIGINT and signal.getsignal(sig) is signal.SIG_IGN)}
+                if not (sig == signal.SIGINT and rt.ctrl_c_ignored())}
     if early is not None:
         early.hand_over(previous)
     stopped_early = early.value if early is not None else 0
