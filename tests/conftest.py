@@ -197,3 +197,15 @@ def make_vj2_data(root: Path, train_files: int, per_file: int, val_trajectories:
 def no_launch_env(monkeypatch):
     for var in LAUNCH_VARS:
         monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture
+def cpu_fp16(monkeypatch):
+    """CUDA's fp16 path on the CPU: fp16 autocast and a CPU GradScaler; call it with the scaler's settings."""
+    import ddp_training
+    real = torch.amp.GradScaler
+
+    def use(**scaler):
+        monkeypatch.setattr(ddp_training, "amp_dtype_for", lambda cfg, device: torch.float16)
+        monkeypatch.setattr(torch.amp, "GradScaler", lambda *a, **k: real("cpu", **scaler))
+    return use

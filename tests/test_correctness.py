@@ -645,14 +645,11 @@ def test_one_process_clips_the_mean_gradient_to_grad_clip_and_leaves_a_smaller_o
     assert rel(seen[norm / 4], free / 4) < DRIFT_RTOL  # the clip factor adds its own rounding
 
 
-def test_fp16_with_a_grad_scaler_clips_the_unscaled_gradient(tmp_path, no_launch_env, monkeypatch):
+def test_fp16_with_a_grad_scaler_clips_the_unscaled_gradient(tmp_path, no_launch_env, cpu_fp16):
     """CUDA's fp16 path (a GradScaler) on the CPU: the gradients must be unscaled before the norm is taken and
     clipped, or the loss scale (256 here) inflates the logged norm and the clip crushes the step."""
-    import ddp_training
     data, init, free, norm = _clip_case()
-    real = torch.amp.GradScaler
-    monkeypatch.setattr(ddp_training, "amp_dtype_for", lambda cfg, device: torch.float16)
-    monkeypatch.setattr(torch.amp, "GradScaler", lambda *a, **k: real("cpu", init_scale=2.0 ** 8))
+    cpu_fp16(init_scale=2.0 ** 8)
     grads, logged = _one_clipped_step(tmp_path, init, data, norm / 4)
     # fp16 autocast rounds the forward: 5% against the fp32 reference
     assert logged == pytest.approx(norm, rel=0.05)

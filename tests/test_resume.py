@@ -15,7 +15,6 @@ import torch
 import yaml
 
 import ddp_runtime as rt
-import ddp_training
 from conftest import Augmented, background, clean_env, make_vj2_data, metrics, torchrun, torchrun_workers, wait_for_step
 from dist_helpers import spawn
 from ddp_training import CausalLM, DDPTrainer, TrainConfig, lm_loss, synthetic_lm_data
@@ -454,15 +453,8 @@ def test_a_bad_streak_and_the_skip_count_survive_a_resume(tmp_path, no_launch_en
         DDPTrainer(config=cfg, loss_fn=NanAt(nan={1})).train()  # step 4: the third bad step in a row
 
 
-@pytest.fixture
-def cpu_fp16(monkeypatch):
-    """The GradScaler path (CUDA fp16) on the CPU: fp16 autocast with a CPU GradScaler that grows every 2 steps."""
-    real = torch.amp.GradScaler
-    monkeypatch.setattr(ddp_training, "amp_dtype_for", lambda cfg, device: torch.float16)
-    monkeypatch.setattr(torch.amp, "GradScaler", lambda *a, **k: real("cpu", init_scale=2.0 ** 4, growth_interval=2))
-
-
 def test_the_grad_scalers_state_survives_a_resume(tmp_path, no_launch_env, cpu_fp16):
+    cpu_fp16(init_scale=2.0 ** 4, growth_interval=2)  # it grows every 2 steps
     cfg = dict(max_steps=12, save_every_iters=3, dropout=0.0)
     DDPTrainer(config=cfg_for(tmp_path / "ref", **cfg)).train()
     assert DDPTrainer(config=cfg_for(tmp_path / "run", **cfg), loss_fn=SignalAt(7)).train()["status"] == "interrupted"
