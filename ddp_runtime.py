@@ -230,11 +230,12 @@ def cpus_per_rank(local_world_size: int, world_size: int) -> int:
     return cpu_count() // max(1, local_world_size)
 
 
-def cuda_index(local_rank: int) -> int:
+def cuda_index(local_rank: int, given: bool = True) -> int:
     """The visible device for this local rank: LOCAL_RANK indexes the devices this process sees, except
     where SLURM binds one GPU to each task (`srun --gpus-per-task=1` sets CUDA_VISIBLE_DEVICES per task, and
     the local rank is its SLURM_LOCALID): then each sees one, as cuda:0. The processes torchrun or --nproc
-    start share one CUDA_VISIBLE_DEVICES: two ranks on one GPU would fail later, in NCCL."""
+    start share one CUDA_VISIBLE_DEVICES: two ranks on one GPU would fail later, in NCCL. `given`: False where
+    the local rank is the rank, for want of one (a caller's own group: mp.spawn)."""
     count = torch.cuda.device_count()
     if local_rank < count:
         return local_rank
@@ -242,9 +243,13 @@ def cuda_index(local_rank: int) -> int:
     bound_per_task = os.environ.get("SLURM_LOCALID") == str(local_rank) and "TORCHELASTIC_RUN_ID" not in os.environ
     if count == 1 and os.environ.get("CUDA_VISIBLE_DEVICES") and bound_per_task:
         return 0
+    seen = f"this process sees {count} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
     # not a ValueError: those are printed by rank 0 only, and this one never happens on rank 0
-    raise RuntimeError(f"local rank {local_rank} (LOCAL_RANK or SLURM_LOCALID) has no GPU: this process sees "
-                       f"{count} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start "
+    if not given:  # ranks spread over nodes by the caller's own launch (mp.spawn on each node)
+        raise RuntimeError(f"rank {local_rank} has no GPU: {seen}, and without LOCAL_RANK, SLURM_LOCALID or "
+                           f"local_rank= its rank picks it; where ranks span nodes, pass local_rank= (this "
+                           f"process's index on its node)")
+    raise RuntimeError(f"local rank {local_rank} (LOCAL_RANK or SLURM_LOCALID) has no GPU: {seen}; start "
                        f"at most one process per visible GPU on each node")
 
 
@@ -263,7 +268,7 @@ def setup_distributed(rank: int, world_size: int, local_rank: Optional[int] = No
         raise RuntimeError(f"a process group already exists as rank {dist.get_rank()}/{dist.get_world_size()}, "
                            f"not {rank}/{world_size}: leave rank and world_size out (they come from that group), "
                            f"or pass rank=dist.get_rank(), world_size=dist.get_world_size()")
-    local_rank = rank if local_rank is None else local_rank
+    given, local_rank = local_rank is not None, rank if local_rank is None else local_rank
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
@@ -271,7 +276,7 @@ def setup_distributed(rank: int, world_size: int, local_rank: Optional[int] = No
                          f"{torch.cuda.device_count()} GPUs seen); use --device cpu or auto")
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if use_cuda:
-        dev = torch.device("cuda", cuda_index(local_rank))
+        dev = torch.device("cuda", cuda_index(local_rank, given))
         torch.cuda.set_device(dev)
     else:
         dev = torch.device("cpu")

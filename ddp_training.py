@@ -32,6 +32,7 @@ import datetime
 import gc
 import hashlib
 import io
+import itertools
 import json
 import logging
 import math
@@ -2201,6 +2202,7 @@ class DDPTrainer:
                       "best_val": math.inf, "patience_ref": math.inf,  # patience: the last improvement by min_delta
                       "bad_validations": 0, "epoch_data_errors": 0, "consecutive_bad_steps": 0, "skipped_steps": 0,
                       "last_val": None, "last_val_step": -1,
+                      "last_val_extras": None,  # loss_fn's extras at the last validation, by name
                       "stopped_early": False}  # the last validation stopped the run
     STATE_COUNTERS = tuple(FRESH_COUNTERS)
 
@@ -2208,6 +2210,7 @@ class DDPTrainer:
         """A fresh run's weights from `path` (fine-tuning). Every rank reads the file, so every rank must find the
         same weights there; a file that does not fit the model is refused on every rank, naming what differs."""
         try:
+            self._check_init_from_stays(path)
             weights, note = init_weights_in(rt.load_checkpoint(path), self.weights_key, self.checkpoint_extra,
                                             self.resume_must_match, frozenset(self.raw_model.state_dict()))
             check_fit(weights, self.raw_model.state_dict())
@@ -2224,6 +2227,15 @@ class DDPTrainer:
             raise ValueError(f"init_from {path}: the ranks read different weights from it: every rank reads the "
                              f"file itself, so on several nodes it must be the same file on each")
         self.log.info("weights initialised from %s%s", path, note)
+
+    def _check_init_from_stays(self, path: str) -> None:
+        """An earlier run's file in this run's checkpoint dir is moved aside at the start and replaced by this
+        run's own of that name: the same command run again would start from this run's weights, not those."""
+        if Path(path).resolve() in {p.resolve() for p in itertools.chain(*self._files_to_set_aside())}:
+            raise ValueError(f"it is an earlier run's file in this run's checkpoint_dir {self.ckpt_dir}, which a "
+                             f"fresh start moves into a previous_states.* subdir and then writes its own files "
+                             f"of the same names: the same command run again would start from those. Copy it out "
+                             f"of {self.ckpt_dir} first, or give this run its own run_name or checkpoint_dir")
 
     def _resume(self) -> Optional[Path]:
         """Load the state `resume` points at (auto: the newest one that loads). Every rank must
@@ -2450,6 +2462,7 @@ class DDPTrainer:
         self.log.debug("[DDP] Rank %d: Exiting validation at epoch %d, iter %d", self.env.rank, self.epoch,
                        self.global_step)
         self.last_val, self.last_val_step = res["loss"], self.global_step
+        self.last_val_extras = {k: v for k, v in res.items() if k not in ("loss", "count")}
         if not math.isfinite(res["loss"]):
             self.log.warning("the validation loss at step %d is %s: the model diverged or the validation data hold "
                              "non-finite values; it counts as no improvement", self.global_step, res["loss"])
@@ -2469,7 +2482,7 @@ class DDPTrainer:
         if res["loss"] < self.best_val:
             self.best_val = res["loss"]
             self.save_checkpoint("best")
-        extra = {f"val_{k}": v for k, v in res.items() if k not in ("loss", "count")}
+        extra = {f"val_{k}": v for k, v in self.last_val_extras.items()}
         # the epoch its step ran in, as a train record's: at an epoch's end self.epoch has moved on already
         epoch = self.epoch - 1 if self.step_in_epoch == 0 and self.global_step > 0 else self.epoch
         self.write_metrics({"type": "val", "step": self.global_step, "epoch": epoch,
@@ -2975,6 +2988,20 @@ class DDPTrainer:
         in favour of them, and a later --resume auto would continue from them. A fresh run moves an earlier
         run's weights files there too, which it would otherwise overwrite or leave mixed with its own; a
         resumed one, the step and epoch files past its state."""
+        old, weights = self._files_to_set_aside()
+        if not old and not weights:
+            return
+        aside = Path(tempfile.mkdtemp(prefix=f"previous_states.{int(time.time())}.", dir=self.ckpt_dir))
+        for p in old + weights:
+            for f in (p, Path(str(p) + ".sha256")):
+                if f.exists():
+                    os.replace(f, aside / f.name)
+        why = "from before this fresh start" if self.resumed_from is None else "past the state this run resumes from"
+        self.log.warning("moved %d resumable state(s) past step %d and %d weights file(s) (%s) to %s", len(old),
+                         self.global_step, len(weights), why, aside)
+
+    def _files_to_set_aside(self) -> tuple:
+        """(states, weights files) that _set_aside_old_states moves."""
         old = [p for step, p in self._states_by_step() if step > self.global_step]
         # a resumed run: those past its state (keep_checkpoints would keep them over its own; a best of a future
         # it has not had); a fresh one: all
@@ -2984,16 +3011,7 @@ class DDPTrainer:
                    [p for n, p in self._numbered("epoch") if n > epoch] +
                    [p for p in map(self.checkpoint_path, ("best", "final", "interrupted"))
                     if p.exists() and (fresh or (self._saved_step(p) or 0) > self.global_step)])
-        if not old and not weights:
-            return
-        aside = Path(tempfile.mkdtemp(prefix=f"previous_states.{int(time.time())}.", dir=self.ckpt_dir))
-        for p in old + weights:
-            for f in (p, Path(str(p) + ".sha256")):
-                if f.exists():
-                    os.replace(f, aside / f.name)
-        self.log.warning("moved %d resumable state(s) past step %d and %d weights file(s) (%s) to %s", len(old),
-                         self.global_step, len(weights),
-                         "from before this fresh start" if fresh else "past the state this run resumes from", aside)
+        return old, weights
 
     def _saved_step(self, path: Path) -> Optional[int]:
         """The global_step a weights file holds (memory-mapped: the weights are not read); None without one."""
@@ -3092,6 +3110,7 @@ class DDPTrainer:
         summary = {"status": status, "steps": self.global_step,
                    "resumed_from": None if self.resumed_from is None else str(self.resumed_from), "epochs": self.epoch,
                    "final_val_loss": self.last_val,
+                   **{f"final_val_{k}": v for k, v in (self.last_val_extras or {}).items()},
                    "best_val_loss": None if math.isinf(self.best_val) else self.best_val,
                    # the count says there was a test set: a loss that was not finite is written as null too
                    "test_loss": None if test is None else test["loss"],
@@ -3267,15 +3286,19 @@ SETUP_ERRORS = (ValueError, FileNotFoundError, rt.CheckpointError)
 EXIT_BAD_INPUT = rt.EXIT_BAD_INPUT
 
 
-def train_preemptible(build: Callable[[], "DDPTrainer"], log_dir, requested=None) -> int:
+def train_preemptible(build: Callable[[], "DDPTrainer"], log_dir, requested=None, exits_after: bool = False) -> int:
     """`build()` a trainer and train it; the exit status: 0, or EXIT_PREEMPTED for a stop by a signal.
 
     A scheduler's signal is caught from before set-up (seconds to minutes: rendezvous, data checks, a
     resume): it then stops the run at its first step with a save and the PREEMPTED marker, instead of killing
     a rank there that its peers would wait for. A second one, or a set-up still running
     rt.SETUP_STOP_GRACE_S after the first, ends the process (see rt.SetUpWatch). `requested`: spawn_local's
-    note of a stop it passed on, which this process may not have seen."""
-    with rt.StopSignal(rt.StopSignal.PREEMPT_SIGNALS) as stop_signal:
+    note of a stop it passed on, which this process may not have seen. `exits_after`: the caller is a script
+    that exits next; the stop handlers then stay, so that a stop in that last instant changes nothing (the
+    run's outcome is decided and written, or its failure reported), where Python's default would make it a
+    Ctrl-C in set-up (exit 130: "before any training step")."""
+    stop_signal = rt.StopSignal(rt.StopSignal.PREEMPT_SIGNALS).install()
+    try:
         if isinstance(requested, rt.FirstSignal):
             requested.hand_over(stop_signal.previous)
         if requested is not None and requested.value and stop_signal.received is None:
@@ -3294,6 +3317,9 @@ def train_preemptible(build: Callable[[], "DDPTrainer"], log_dir, requested=None
                 rt.teardown_distributed()
             raise
         summary = trainer.train(stop_signal)
+    finally:
+        if not exits_after:
+            stop_signal.restore()
     return rt.EXIT_PREEMPTED if summary["status"] == "interrupted" else 0
 
 
@@ -3309,7 +3335,7 @@ def _train_and_exit_code(rank: int, world_size: int, cfg: dict, local_rank: Opti
 
     build = partial(bad_input, DDPTrainer, rank=rank, world_size=world_size, local_rank=local_rank, config=cfg)
     try:
-        return train_preemptible(build, bad_input(TrainConfig.from_dict, cfg).log_dir, requested)
+        return train_preemptible(build, bad_input(TrainConfig.from_dict, cfg).log_dir, requested, exits_after=True)
     except BadInput as exc:
         return rt.refuse(str(exc), show=show_refusal and rank == 0)
     except rt.Failed as exc:  # set-up's, or training's: its one line says what happened (the traceback: rank_N.log)
@@ -3404,7 +3430,8 @@ def _spawn_exit_status(exc, refused: Optional[str], forwarded: list) -> int:
     return 1
 
 
-def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker, early: Optional[rt.FirstSignal] = None) -> int:
+def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker, early: Optional[rt.FirstSignal] = None,
+                exits_after: bool = False) -> int:
     """Run `worker(rank, nproc, cfg, requested)` on `nproc` local processes (torch.multiprocessing, meeting on
     the store that rendezvous_store hosts here on nproc_port()), for users without torchrun. Returns the exit
     status: 0, EXIT_PREEMPTED, EXIT_BAD_INPUT (a bad or taken MASTER_PORT, too), 128 + a signal that ended a
@@ -3416,7 +3443,8 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker, early: Optional[r
 
     A rank that refuses its input leaves the reason where torchrun would look for it (TORCHELASTIC_ERROR_FILE,
     here in a temporary dir), and this process prints it: rank 0 printing it could be ended by torch first,
-    when a peer refused and exited before it. `early`: a stop this process caught before it got here."""
+    when a peer refused and exited before it. `early`: a stop this process caught before it got here.
+    `exits_after`: as train_preemptible's (the handler that passes stops on stays; the ranks have ended)."""
     from multiprocessing.connection import wait
 
     import torch.multiprocessing as mp
@@ -3485,7 +3513,7 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker, early: Optional[r
         return _spawn_exit_status(exc, rt.refusal_in(refusal), forwarded)
     finally:
         spawn_log.removeFilter(not_ending_a_rank)
-        for sig, handler in previous.items():
+        for sig, handler in previous.items() if not exits_after else ():
             signal.signal(sig, handler)
         for var, value in {**rendezvous, "TORCHELASTIC_ERROR_FILE": outer_error_file}.items():
             if value is None:
@@ -3516,7 +3544,7 @@ def main(argv: Optional[list] = None) -> int:
                              f"torchrun's restarts and stops; {launcher.format(n=args.nproc)} instead")
         if launch["world_size"] > 1:
             return rt.refuse("--nproc spawns its own processes; do not combine it with torchrun/srun")
-        return spawn_local(args.nproc, cfg, early=rt.FirstSignal(EARLY_STOPS))
+        return spawn_local(args.nproc, cfg, early=rt.FirstSignal(EARLY_STOPS), exits_after=True)
     return _train_and_exit_code(launch["rank"], launch["world_size"], cfg, launch["local_rank"],
                                 requested=rt.FirstSignal(EARLY_STOPS))
 

@@ -535,7 +535,8 @@ def train_config(args):
 
 def train(args, launch):
     cfg = train_config(args)
-    return train_preemptible(lambda: set_up(args, launch, cfg), cfg["log_dir"], rt.FirstSignal(EARLY_STOPS))
+    return train_preemptible(lambda: set_up(args, launch, cfg), cfg["log_dir"], rt.FirstSignal(EARLY_STOPS),
+                             exits_after=True)
 
 
 def set_up(args, launch, cfg):

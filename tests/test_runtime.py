@@ -198,6 +198,20 @@ def test_each_local_rank_gets_a_visible_gpu_or_a_clear_error(monkeypatch, local_
         assert rt.cuda_index(local_rank) == expected
 
 
+def test_a_rank_without_a_local_rank_beyond_the_gpus_is_told_to_pass_local_rank(monkeypatch):
+    """mp.spawn on each of two nodes numbers its ranks 4..7 on the second: without local_rank= the rank picked
+    the device, and the error blamed LOCAL_RANK or SLURM_LOCALID, which that launch never sets."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    for var in ("CUDA_VISIBLE_DEVICES", "SLURM_LOCALID", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(RuntimeError, match=r"^rank 5 has no GPU: this process sees 4 .*where ranks span nodes, "
+                                           r"pass local_rank= \(this process's index on its node\)$"):
+        rt.setup_distributed(5, 8, device="cuda")
+    with pytest.raises(RuntimeError, match=r"^local rank 5 \(LOCAL_RANK or SLURM_LOCALID\) has no GPU"):
+        rt.setup_distributed(5, 8, local_rank=5, device="cuda")
+
+
 def test_detect_env_srun_step_smaller_than_the_job(no_slurm_step, monkeypatch):
     """`srun -n 2 --preserve-env` in an 8-task job keeps SLURM_NTASKS=8: the group is the step's 2 tasks."""
     slurm_job(monkeypatch, procid=1)

@@ -1184,6 +1184,25 @@ def test_init_from_starts_a_fresh_run_from_another_runs_weights(tmp_path, no_lau
         DDPTrainer(config={**tuned, **dirs(tmp_path / "d"), "init_from": str(tmp_path / "other.pt")})
 
 
+def test_init_from_an_earlier_runs_file_in_this_runs_checkpoint_dir_is_refused(tmp_path, no_launch_env):
+    """A fresh start moves the earlier run's files aside and writes its own under the same names: init_from
+    ckpt/model_final.pt trained, but the same command again started from the new run's final weights."""
+    cfg = {**QUICK, **dirs(tmp_path), "max_steps": 2, "val_interval": 0}
+    DDPTrainer(config=cfg).train()
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "link.pt").symlink_to("model_final.pt")
+    before = sorted(p.name for p in ckpt.iterdir())
+    for name in ("model_final.pt", "model_state_step_2.pt", "link.pt"):
+        with pytest.raises(ValueError, match=re.escape(f"init_from {ckpt / name}: it is an earlier run's file in "
+                                                       f"this run's checkpoint_dir {ckpt}, which a fresh start ")):
+            DDPTrainer(config={**cfg, "resume": "none", "init_from": str(ckpt / name)})
+        assert sorted(p.name for p in ckpt.iterdir()) == before  # nothing moved
+    # a file of another name there is the user's own: it stays, and the run starts from it
+    (ckpt / "pretrained.pt").write_bytes((ckpt / "model_final.pt").read_bytes())
+    summary = DDPTrainer(config={**cfg, "resume": "none", "init_from": str(ckpt / "pretrained.pt")}).train()
+    assert summary["status"] == "completed" and (ckpt / "pretrained.pt").exists()
+
+
 def test_a_failed_validation_before_a_save_point_keeps_what_the_resume_needs(tmp_path, no_launch_env):
     """The run's closing validation comes before a save point at its last step: when it fails, the step's files
     and state are still written, and the relaunch redoes the validation there. A val_interval validation, which
@@ -1266,8 +1285,9 @@ def test_init_from_on_two_ranks_must_read_the_same_weights(tmp_path):
     assert all(not torch.equal(state["model"][k], start[k]) for k in ("tok.weight", "head.weight"))  # trained on
 
 
-def test_the_loss_fns_extras_on_the_test_set_reach_the_summary(tmp_path, no_launch_env):
-    """The val records carried val_<extra>; the test set's extras were computed and dropped."""
+def test_the_loss_fns_extras_on_the_test_set_and_the_last_validation_reach_the_summary(tmp_path, no_launch_env):
+    """The val records carried val_<extra>; the test set's extras were computed and dropped, and the summary
+    had the last validation's loss without its extras (a user's wish)."""
     from ddp_training import lm_loss
     data = _markov({**QUICK, "test_fraction": 0.1})
 
@@ -1282,6 +1302,11 @@ def test_the_loss_fns_extras_on_the_test_set_reach_the_summary(tmp_path, no_laun
     assert summary["test_accuracy"] == pytest.approx(trainer.evaluate(trainer.test_loader)["accuracy"], rel=1e-6)
     assert 0 <= summary["test_accuracy"] <= 1 and metrics(tmp_path / "logs", "summary")[-1]["test_accuracy"] == \
         pytest.approx(summary["test_accuracy"])
+    last_val = metrics(tmp_path / "logs", "val")[-1]
+    assert last_val["step"] == 3 and summary["final_val_loss"] == last_val["val_loss"]
+    assert 0 <= summary["final_val_accuracy"] == last_val["val_accuracy"] <= 1
+    state = torch.load(tmp_path / "ckpt" / "model_state_step_3.pt", weights_only=True)
+    assert state["counters"]["last_val_extras"] == {"accuracy": last_val["val_accuracy"]}  # a resume keeps them
 
 
 def test_names_and_values_that_would_replace_or_lose_what_the_kit_saves_are_refused(tmp_path, no_launch_env):
@@ -1594,6 +1619,23 @@ def test_nproc_meets_on_master_port_where_it_is_set_and_puts_the_environment_bac
         monkeypatch.setenv("MASTER_PORT", bad)
         code, out = run_script_forked("ddp_training", ["--cpu", "--nproc", "2"], tmp_path, dict(os.environ))
         assert code == 2 and f"error: MASTER_PORT={bad!r} in the environment: expected a port number" in out, out
+
+
+def test_nproc_keeps_passing_stops_on_until_it_exits(tmp_path):
+    """As a rank's train_preemptible: a Ctrl-C to the --nproc parent after its ranks ended was a
+    KeyboardInterrupt that printed "before any training step" over a finished run."""
+    import ddp_training
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert ddp_training.spawn_local(2, {"out": str(tmp_path)}, worker=_says_its_port, exits_after=True) == 0
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+        except KeyboardInterrupt:
+            pytest.fail("a Ctrl-C after the ranks ended raised KeyboardInterrupt")
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def test_nproc_hosts_its_rendezvous_store_itself(tmp_path, monkeypatch):
@@ -2063,6 +2105,34 @@ def test_a_ctrl_c_passed_on_before_a_rank_had_its_handler_stops_its_set_up_at_on
     with pytest.raises(KeyboardInterrupt):
         ddp_training.train_preemptible(lambda: built.append(1), tmp_path, types.SimpleNamespace(value=signal.SIGINT))
     assert built == [] and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+class _TrainsAtOnce:
+    def train(self, stop_signal):  # as DDPTrainer.train: Ctrl-C is a stop too while it trains
+        stop_signal.install(rt.StopSignal.SIGNALS)
+        return {"status": "completed"}
+
+
+def test_a_script_keeps_its_stop_handlers_from_the_end_of_training_until_it_exits(tmp_path):
+    """A Ctrl-C between train() returning and the process exiting was Python's KeyboardInterrupt again: an
+    --nproc rank exited 130, and its parent said "before any training step" of a run that had finished.
+    A script's train (exits_after) keeps its handlers: the stop is noted, the run's outcome stands."""
+    import ddp_training
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert ddp_training.train_preemptible(_TrainsAtOnce, tmp_path, exits_after=True) == 0
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGTERM)  # no death either
+            time.sleep(0.1)
+        except KeyboardInterrupt:
+            pytest.fail("a Ctrl-C after train() returned raised KeyboardInterrupt")
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    # a caller that goes on (a notebook, a test) gets its own handlers back
+    assert ddp_training.train_preemptible(_TrainsAtOnce, tmp_path) == 0
+    assert {sig: signal.getsignal(sig) for sig in before} == before
 
 
 _CTRL_C_DROPPED_IN_BUILD = """
