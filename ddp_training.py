@@ -985,11 +985,13 @@ def next_batch(batches, backstop_s: Optional[float] = None) -> Any:
         raise
     except Exception as exc:  # agreed on in the step, counted or fatal
         text = f"{type(exc).__name__}: {exc}"
-        worker_died = "DataLoader worker" in text and ("exited unexpectedly" in text or "killed by signal" in text)
+        died = worker_death_note(text)
         stuck = "DataLoader timed out" in text  # every later batch would wait as long: no bad sample to skip
+        if died:
+            text += died
         if stuck:
             text += " (a worker is stuck: a hung read or a deadlock; loader_timeout sets the wait)"
-        return BatchError(text, fatal=worker_died or stuck or getattr(exc, "fatal", False),
+        return BatchError(text, fatal=bool(died) or stuck or getattr(exc, "fatal", False),
                           counted=getattr(exc, "counted", True))
 
 
@@ -1021,6 +1023,17 @@ def is_collective_error(exc: BaseException) -> bool:
         return True
     text = str(exc).lower()
     return type(exc) is RuntimeError and any(t in text for t in COLLECTIVE_ERROR_TEXT)
+
+
+def worker_death_note(text: str) -> Optional[str]:
+    """What to add to an error in torch's words for a DataLoader worker that exited or was killed (from the
+    loader, or from its SIGCHLD handler in whatever ran then); None for any other error."""
+    if not re.search(r"DataLoader worker \(pid.*(exited unexpectedly|killed by signal)", text):
+        return None
+    why = (" (the kernel's OOM killer sends SIGKILL: see dmesg)" if "Killed" in text else
+           " (the kernel's OOM killer, see dmesg, or a crash in native code)" if "exited unexpectedly" in text else "")
+    return (f" (a DataLoader worker process died{why}: fewer num_workers, a smaller batch or more memory; a "
+            f"relaunch resumes from the newest state)")
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -1659,6 +1672,9 @@ class DDPTrainer:
 
     def _hint_for(self, exc: Exception) -> str:
         """What a step's error may mean in this trainer's terms ("" where nothing more is known)."""
+        died = worker_death_note(str(exc))
+        if died:
+            return died
         if self.default_loss:
             return (" (no loss_fn= was given: the default is lm_loss, for (tokens, targets) batches of a causal "
                     "LM)")
@@ -1755,7 +1771,8 @@ class DDPTrainer:
                     raise self._abandoned(fatal, exc) from exc
                 if is_collective_error(exc):  # not this rank's failure: a peer is gone (see _explain_failure)
                     raise
-                phase = getattr(exc, "ddp_phase", "forward")
+                # torch raises a loader worker's death from its SIGCHLD handler, in whatever runs then
+                phase = "the DataLoader" if worker_death_note(str(exc)) else getattr(exc, "ddp_phase", "forward")
                 if is_out_of_memory(exc) and phase == "forward":
                     oom = True  # retried by every rank with smaller micro-batches
                     self.log.warning("out of memory in the forward of step %d", self.global_step + 1)

@@ -1078,6 +1078,7 @@ def test_a_killed_dataloader_worker_is_a_clear_error_with_a_checkpoint(tmp_path)
     t0 = time.time()
     for msg in spawn(_worker_crash, 2, str(tmp_path), timeout=120):
         assert msg.startswith("StepFailed:") and "rank 1: data loading failed" in msg and "DataLoader worker" in msg
+        assert "(a DataLoader worker process died (the kernel's OOM killer" in msg, msg
     assert time.time() - t0 < 90
     assert (tmp_path / "ckpt" / "model_interrupted.pt").exists()
 
@@ -1103,7 +1104,21 @@ def test_one_process_whose_first_batch_cannot_load_fails_naming_it(tmp_path, no_
     data = synthetic_lm_data(TrainConfig.from_dict(CFG))
     trainer = DDPTrainer(config=cfg_for(tmp_path, num_workers=1), model=CausalLM(64, 32, 1, 2, 16),
                          train_dataset=OnlyAWorkerReads(data.train), val_dataset=data.val)
-    with pytest.raises(StepFailed, match="^step 1 failed on rank 0: data loading failed: .*DataLoader worker"):
+    with pytest.raises(StepFailed, match=r"^step 1 failed on rank 0: data loading failed: .*DataLoader worker .* "
+                                         r"\(a DataLoader worker process died \(the kernel's OOM killer"):
+        trainer.train()
+
+
+def test_a_worker_death_raised_in_the_forward_is_named_the_loaders(tmp_path, no_launch_env):
+    """torch's SIGCHLD handler raises a worker's death in whatever runs when it comes, most often the forward:
+    the step failed with "RuntimeError in forward", which sent a user looking at the model."""
+    def killed_now(model, batch):  # as the handler raises it in the forward
+        raise RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed. ")
+    trainer = DDPTrainer(config=cfg_for(tmp_path), loss_fn=killed_now)
+    with pytest.raises(StepFailed, match=re.escape(
+            "step 1 failed on rank 0: RuntimeError in the DataLoader: DataLoader worker (pid 4242) is killed by "
+            "signal: Killed.  (a DataLoader worker process died (the kernel's OOM killer sends SIGKILL: see dmesg): "
+            "fewer num_workers, a smaller batch or more memory; a relaunch resumes from the newest state)")):
         trainer.train()
 
 
