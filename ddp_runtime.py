@@ -626,10 +626,24 @@ def exit_process(code: int) -> None:
 CTRL_C_BEFORE_TRAINING = "stopped by Ctrl-C before any training step: nothing to save"
 
 
+# Set where the process ends when its script's main() returns (run_script, an --nproc rank): the stop handlers
+# then stay until the exit, so that a stop after training changes nothing (the run's outcome is decided and
+# written), where Python's default would make a Ctrl-C then a KeyboardInterrupt, read as one in set-up
+_main_ends_the_process = False
+
+
+def main_ends_the_process(now: bool = False) -> bool:
+    """Whether this process ends when its main() returns; `now`: it does, from here on."""
+    global _main_ends_the_process
+    _main_ends_the_process = _main_ends_the_process or now
+    return _main_ends_the_process
+
+
 def run_script(main: Callable[[], int]) -> None:
     """A script's main(), then exit_process with its status. Once a trainer trains it takes Ctrl-C over (a
     stop with a save): a KeyboardInterrupt that gets here came before (set-up, an evaluation), and is one line
     instead of a traceback, then death by SIGINT, as Python's own exit on Ctrl-C (a shell sees a Ctrl-C)."""
+    main_ends_the_process(now=True)
     try:
         code = main()
     except KeyboardInterrupt:

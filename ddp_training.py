@@ -807,6 +807,14 @@ class StepFailed(rt.Failed):
 COMPLETED_MARKER = "COMPLETED"  # in the run dir: the summary of a run that finished
 
 
+def terminal_columns(stream) -> Optional[int]:
+    """The width of the terminal `stream` writes to; None where it has no descriptor to ask."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        return None
+
+
 class AboveTheBar(logging.StreamHandler):
     """The console under a progress bar: lines print above the bar (tqdm.write), and the periodic
     step lines, which the bar replaces, are left out."""
@@ -2783,10 +2791,10 @@ class DDPTrainer:
     def _report(self, r: dict, step_t: float, global_batch: int) -> None:
         """The progress bar, and every log_interval steps a log line with the rate since the last one."""
         bar = self._bar
-        if bar is not None:
-            bar.update(1)
+        if bar is not None:  # the step's numbers first: update() draws them
             bar.set_postfix(epoch=self.epoch + 1, loss=f"{r['loss']:.4f}", lr=f"{r['lr']:.2e}",
                             samples_s=f"{global_batch / (time.time() - step_t):.0f}", refresh=False)
+            bar.update(1)
         window_t, window_steps = self._log_window
         window_steps += 1
         if self.global_step % self.cfg.log_interval == 0 or self.global_step == 1:
@@ -2861,8 +2869,8 @@ class DDPTrainer:
         """tqdm on rank 0 when stdout is a terminal: it replaces the periodic step lines on the console
         (they still go to rank_0.log), and the other lines (validation, checkpoints, the summary) are
         printed above it. Files and CI get plain periodic lines."""
-        if not (self.env.is_main and sys.stdout.isatty()):
-            return None
+        if not (self.env.is_main and sys.stdout.isatty()) or terminal_columns(sys.stdout) == 0:
+            return None  # a terminal of no width (a pty nobody sized: some containers and CI) shows no bar
         from tqdm import tqdm
         for h in [h for h in self.log.handlers if type(h) is logging.StreamHandler]:
             above = AboveTheBar(h.stream)
@@ -3303,17 +3311,15 @@ SETUP_ERRORS = (ValueError, FileNotFoundError, rt.CheckpointError)
 EXIT_BAD_INPUT = rt.EXIT_BAD_INPUT
 
 
-def train_preemptible(build: Callable[[], "DDPTrainer"], log_dir, requested=None, exits_after: bool = False) -> int:
+def train_preemptible(build: Callable[[], "DDPTrainer"], log_dir, requested=None) -> int:
     """`build()` a trainer and train it; the exit status: 0, or EXIT_PREEMPTED for a stop by a signal.
 
     A scheduler's signal is caught from before set-up (seconds to minutes: rendezvous, data checks, a
     resume): it then stops the run at its first step with a save and the PREEMPTED marker, instead of killing
     a rank there that its peers would wait for. A second one, or a set-up still running
     rt.SETUP_STOP_GRACE_S after the first, ends the process (see rt.SetUpWatch). `requested`: spawn_local's
-    note of a stop it passed on, which this process may not have seen. `exits_after`: the caller is a script
-    that exits next; the stop handlers then stay, so that a stop in that last instant changes nothing (the
-    run's outcome is decided and written, or its failure reported), where Python's default would make it a
-    Ctrl-C in set-up (exit 130: "before any training step")."""
+    note of a stop it passed on, which this process may not have seen. The handlers are restored at the end,
+    except in a script's process (rt.main_ends_the_process), which keeps them to its exit."""
     stop_signal = rt.StopSignal(rt.StopSignal.PREEMPT_SIGNALS).install()
     try:
         if isinstance(requested, rt.FirstSignal):
@@ -3335,7 +3341,7 @@ def train_preemptible(build: Callable[[], "DDPTrainer"], log_dir, requested=None
             raise
         summary = trainer.train(stop_signal)
     finally:
-        if not exits_after:
+        if not rt.main_ends_the_process():
             stop_signal.restore()
     return rt.EXIT_PREEMPTED if summary["status"] == "interrupted" else 0
 
@@ -3352,7 +3358,7 @@ def _train_and_exit_code(rank: int, world_size: int, cfg: dict, local_rank: Opti
 
     build = partial(bad_input, DDPTrainer, rank=rank, world_size=world_size, local_rank=local_rank, config=cfg)
     try:
-        return train_preemptible(build, bad_input(TrainConfig.from_dict, cfg).log_dir, requested, exits_after=True)
+        return train_preemptible(build, bad_input(TrainConfig.from_dict, cfg).log_dir, requested)
     except BadInput as exc:
         return rt.refuse(str(exc), show=show_refusal and rank == 0)
     except rt.Failed as exc:  # set-up's, or training's: its one line says what happened (the traceback: rank_N.log)
@@ -3365,6 +3371,7 @@ def _spawned_worker(rank: int, world_size: int, cfg: dict, requested=None) -> No
         # Ctrl-C ignores: it would train on as an orphan, holding the run dirs. SIGTERM is a stop: it saves.
         import torch.multiprocessing as mp
         mp._prctl_pr_set_pdeathsig(signal.SIGTERM)
+    rt.main_ends_the_process(now=True)
     try:
         code = _train_and_exit_code(rank, world_size, cfg, requested=requested, show_refusal=False)
     except KeyboardInterrupt:  # Ctrl-C in set-up; torch's spawn wrapper would make it exit 0, a success
@@ -3447,8 +3454,7 @@ def _spawn_exit_status(exc, refused: Optional[str], forwarded: list) -> int:
     return 1
 
 
-def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker, early: Optional[rt.FirstSignal] = None,
-                exits_after: bool = False) -> int:
+def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker, early: Optional[rt.FirstSignal] = None) -> int:
     """Run `worker(rank, nproc, cfg, requested)` on `nproc` local processes (torch.multiprocessing, meeting on
     the store that rendezvous_store hosts here on nproc_port()), for users without torchrun. Returns the exit
     status: 0, EXIT_PREEMPTED, EXIT_BAD_INPUT (a bad or taken MASTER_PORT, too), 128 + a signal that ended a
@@ -3460,8 +3466,8 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker, early: Optional[r
 
     A rank that refuses its input leaves the reason where torchrun would look for it (TORCHELASTIC_ERROR_FILE,
     here in a temporary dir), and this process prints it: rank 0 printing it could be ended by torch first,
-    when a peer refused and exited before it. `early`: a stop this process caught before it got here.
-    `exits_after`: as train_preemptible's (the handler that passes stops on stays; the ranks have ended)."""
+    when a peer refused and exited before it. `early`: a stop this process caught before it got here. As
+    train_preemptible, a script's process keeps its handler (passing stops on to ranks that have ended)."""
     from multiprocessing.connection import wait
 
     import torch.multiprocessing as mp
@@ -3530,7 +3536,7 @@ def spawn_local(nproc: int, cfg: dict, worker=_spawned_worker, early: Optional[r
         return _spawn_exit_status(exc, rt.refusal_in(refusal), forwarded)
     finally:
         spawn_log.removeFilter(not_ending_a_rank)
-        for sig, handler in previous.items() if not exits_after else ():
+        for sig, handler in previous.items() if not rt.main_ends_the_process() else ():
             signal.signal(sig, handler)
         for var, value in {**rendezvous, "TORCHELASTIC_ERROR_FILE": outer_error_file}.items():
             if value is None:
@@ -3561,7 +3567,7 @@ def main(argv: Optional[list] = None) -> int:
                              f"torchrun's restarts and stops; {launcher.format(n=args.nproc)} instead")
         if launch["world_size"] > 1:
             return rt.refuse("--nproc spawns its own processes; do not combine it with torchrun/srun")
-        return spawn_local(args.nproc, cfg, early=rt.FirstSignal(EARLY_STOPS), exits_after=True)
+        return spawn_local(args.nproc, cfg, early=rt.FirstSignal(EARLY_STOPS))
     return _train_and_exit_code(launch["rank"], launch["world_size"], cfg, launch["local_rank"],
                                 requested=rt.FirstSignal(EARLY_STOPS))
 

@@ -535,8 +535,7 @@ def train_config(args):
 
 def train(args, launch):
     cfg = train_config(args)
-    return train_preemptible(lambda: set_up(args, launch, cfg), cfg["log_dir"], rt.FirstSignal(EARLY_STOPS),
-                             exits_after=True)
+    return train_preemptible(lambda: set_up(args, launch, cfg), cfg["log_dir"], rt.FirstSignal(EARLY_STOPS))
 
 
 def set_up(args, launch, cfg):

@@ -93,7 +93,7 @@ def test_gpu_ranks_share_the_nodes_cores_for_threads_too(no_slurm_step, monkeypa
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    monkeypatch.setattr(rt, "cuda_index", lambda local_rank: 0)
+    monkeypatch.setattr(rt, "cuda_index", lambda local_rank, given=True: 0)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(rt.cpu_count())

@@ -7,6 +7,7 @@ Also runs as a script:  python tests/test_training.py [--skip-multi] [--keep-dat
 
 import contextlib
 import importlib.util
+import io
 import json
 import logging
 import math
@@ -1621,13 +1622,14 @@ def test_nproc_meets_on_master_port_where_it_is_set_and_puts_the_environment_bac
         assert code == 2 and f"error: MASTER_PORT={bad!r} in the environment: expected a port number" in out, out
 
 
-def test_nproc_keeps_passing_stops_on_until_it_exits(tmp_path):
+def test_nproc_keeps_passing_stops_on_until_it_exits(tmp_path, monkeypatch):
     """As a rank's train_preemptible: a Ctrl-C to the --nproc parent after its ranks ended was a
     KeyboardInterrupt that printed "before any training step" over a finished run."""
     import ddp_training
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     try:
-        assert ddp_training.spawn_local(2, {"out": str(tmp_path)}, worker=_says_its_port, exits_after=True) == 0
+        monkeypatch.setattr(rt, "_main_ends_the_process", True)
+        assert ddp_training.spawn_local(2, {"out": str(tmp_path)}, worker=_says_its_port) == 0
         try:
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.1)
@@ -2113,14 +2115,15 @@ class _TrainsAtOnce:
         return {"status": "completed"}
 
 
-def test_a_script_keeps_its_stop_handlers_from_the_end_of_training_until_it_exits(tmp_path):
+def test_a_script_keeps_its_stop_handlers_from_the_end_of_training_until_it_exits(tmp_path, monkeypatch):
     """A Ctrl-C between train() returning and the process exiting was Python's KeyboardInterrupt again: an
     --nproc rank exited 130, and its parent said "before any training step" of a run that had finished.
-    A script's train (exits_after) keeps its handlers: the stop is noted, the run's outcome stands."""
+    A script's process keeps its handlers: the stop is noted, the run's outcome stands."""
     import ddp_training
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     try:
-        assert ddp_training.train_preemptible(_TrainsAtOnce, tmp_path, exits_after=True) == 0
+        monkeypatch.setattr(rt, "_main_ends_the_process", True)  # as rt.run_script and an --nproc rank set it
+        assert ddp_training.train_preemptible(_TrainsAtOnce, tmp_path) == 0
         try:
             os.kill(os.getpid(), signal.SIGINT)
             os.kill(os.getpid(), signal.SIGTERM)  # no death either
@@ -2130,7 +2133,8 @@ def test_a_script_keeps_its_stop_handlers_from_the_end_of_training_until_it_exit
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
-    # a caller that goes on (a notebook, a test) gets its own handlers back
+    # a caller that goes on (a notebook, a test calling a script's main()) gets its own handlers back
+    monkeypatch.setattr(rt, "_main_ends_the_process", False)
     assert ddp_training.train_preemptible(_TrainsAtOnce, tmp_path) == 0
     assert {sig: signal.getsignal(sig) for sig in before} == before
 
@@ -2584,3 +2588,62 @@ if __name__ == "__main__":
     if opts.keep_data:
         print(f"data and run directories kept under {Path('test_training_data').resolve()}")
     sys.exit(code)
+
+
+# -- the console: a progress bar on a terminal, periodic lines elsewhere ------------------------------------
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_the_progress_bar_shows_the_numbers_of_the_step_it_counts(tmp_path, no_launch_env, monkeypatch):
+    """The bar was drawn by update() before set_postfix() gave it the step's numbers: every drawing showed
+    step N's count with step N-1's loss, learning rate and rate (a user's pty)."""
+    import tqdm
+
+    class EveryStep(tqdm.tqdm):  # draws at every update, as a slow step would
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, mininterval=0, miniters=1, **kwargs)
+    monkeypatch.setattr(tqdm, "tqdm", EveryStep)
+    monkeypatch.setattr(sys, "stdout", _Terminal())
+    DDPTrainer(config={**QUICK, **dirs(tmp_path), "max_steps": 6, "val_interval": 0}).train()
+    frames = re.findall(r"(\d)/6 [^\r\n]*loss=([\d.]+), lr=([\d.e+-]+)", sys.stdout.getvalue())
+    train = {r["step"]: r for r in metrics(tmp_path / "logs", "train")}
+    assert {int(n) for n, _, _ in frames} == set(range(1, 7)), sys.stdout.getvalue()
+    for n, loss, lr in frames:
+        assert (loss, lr) == (f"{train[int(n)]['loss']:.4f}", f"{train[int(n)]['lr']:.2e}"), n
+
+
+def test_a_terminal_of_no_width_gets_the_periodic_lines(tmp_path):
+    """A pty whose size nobody set (some containers and CI runners) is 0 columns wide: the bar drew nothing
+    there, and it had replaced the periodic step lines, so a run showed no progress at all."""
+    import pty
+    main, child = pty.openpty()  # 0 x 0 until someone sets it
+    cmd = [sys.executable, REPO / "ddp_training.py", "--cpu", "--max_steps", "4", "--log_interval", "2",
+           "--hidden_size", "16", "--num_layers", "1", "--dataset_size", "256", "--log_dir", "logs",
+           "--checkpoint_dir", "ckpt"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=child, stderr=child,
+                            env=clean_env())
+    os.close(child)
+    out = b""
+    try:
+        while True:
+            ready, _, _ = select.select([main], [], [], 120)
+            if not ready:
+                break
+            try:
+                chunk = os.read(main, 65536)
+            except OSError:  # EIO: the child's side has closed
+                break
+            if not chunk:
+                break
+            out += chunk
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=60)
+        os.close(main)
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, text
+    assert re.search(r"step 2/4 loss [\d.]+", text) and re.search(r"step 4/4 loss [\d.]+", text), text
