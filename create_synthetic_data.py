@@ -273,7 +273,7 @@ def generate(output_dir, num_files=3, trajectories_per_file=10, seed=0,
                   f"{path.stat().st_size:,} bytes")
     if verbose:
         total = sum(p.stat().st_size for p in paths)
-        print(f"{split}: {len(paths)} files, {num_files * trajectories_per_file} trajectories, "
+        print(f"{split}: {len(paths)} file{'s' * (len(paths) != 1)}, {num_files * trajectories_per_file} trajectories, "
               f"{total:,} bytes in {output_dir}")
     return paths
 

@@ -168,7 +168,9 @@ fi
 # Static rendezvous numbers the nodes by this flag: two nodes that both default to 0 would wait for the
 # missing one until the rendezvous times out (with --max-restarts, c10d numbers them itself)
 if (( nnodes > 1 && max_restarts == 0 )) && [[ -z "$node_rank" ]]; then
-    die "--nnodes $nnodes needs --node-rank (0 on the --master-addr host, 1 to $((nnodes - 1)) on the others)"
+    others="1 to $((nnodes - 1)) on the others"
+    (( nnodes > 2 )) || others="1 on the other"
+    die "--nnodes $nnodes needs --node-rank (0 on the --master-addr host, $others)"
 fi
 node_rank=${node_rank:-0}
 if (( nnodes == 1 && ${#rendezvous_given[@]} )); then  # torchrun --standalone picks its own endpoint

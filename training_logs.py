@@ -647,7 +647,7 @@ def format_summaries(rows: list, fmt: str = "one-line") -> str:
                                UNREADABLE):
                 lines.append(f"{f['name']}: {r['status']}" + (f": {r['error']}" if r.get("error") else ""))
                 continue
-            lines.append(f"{f['name']}: {f['status']}, {f['steps']} steps, val {f['final_val_loss']} "
+            lines.append(f"{f['name']}: {f['status']}, {f['steps']} step{'s' * (f['steps'] != 1)}, val {f['final_val_loss']} "
                          f"(best {f['best_val_loss']}), test {f['test_loss']}, {f['total_time_s']} s over "
                          f"{f['sessions']} session{'s' if r['sessions'] != 1 else ''}, "
                          f"{f['avg_samples_per_s']} samples/s"

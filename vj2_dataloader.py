@@ -493,7 +493,7 @@ class VJ2TrajectoryDataset(Dataset):
         return h.hexdigest()[:16]
 
     def summary(self):
-        return (f"{self.data_dir}: {len(self.files)} files, {len(self)} trajectories, "
+        return (f"{self.data_dir}: {len(self.files)} file{'s' * (len(self.files) != 1)}, {len(self)} trajectories, "
                 f"{len(self.skipped)} skipped, geometry {self.geometry} ({self.dtype.name})")
 
 

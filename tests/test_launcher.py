@@ -160,7 +160,7 @@ def test_multi_node_restarts_use_c10d_rendezvous(tmp_path, fake_bin):
     assert "--node_rank" not in r.stdout and "[--max_restarts][2]" in r.stdout
     # static rendezvous needs each node's rank: two nodes that both took 0 waited until the rendezvous timed out
     failed(launch(["--cpu", "--nnodes", "2", "--master-addr", "10.0.0.1"], tmp_path, fake_bin),
-           "--nnodes 2 needs --node-rank (0 on the --master-addr host, 1 to 1 on the others)")
+           "--nnodes 2 needs --node-rank (0 on the --master-addr host, 1 on the other)")
     r = launch(["--cpu", "--nnodes", "2", "--master-addr", "10.0.0.1", "--max-restarts", "1"], tmp_path, fake_bin)
     assert r.returncode == 0 and "[--rdzv_backend][c10d]" in r.stdout, r.stdout
 
