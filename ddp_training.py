@@ -2684,7 +2684,8 @@ class DDPTrainer:
         # launcher's id, its proof that this launch began training
         self.write_metrics(rt.with_launch_id({"type": "start", "run_id": self.run_id, "step": self.global_step,
                            "resumed_from": None if self.resumed_from is None else str(self.resumed_from),
-                           "world_size": self.env.world_size, "started": round(time.time(), 3)}))
+                           "world_size": self.env.world_size, "steps_per_epoch": self.known_steps_per_epoch,
+                           "started": round(time.time(), 3)}))
 
     def _loop(self, stop_signal: rt.StopSignal) -> str:
         self.t0 = time.monotonic()

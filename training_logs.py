@@ -18,12 +18,14 @@ metrics.jsonl has no complete record yet (it has just started) is a row with sta
 unless its rank_0.log holds an error: "failed in set-up" (no metrics.jsonl) or "failed before its first
 record"; or "stopped in set-up" when a Ctrl-C ended its launch before its first step; "not trained" for a
 trainer closed without training; "ended before its first record" when the process its run-dir lock names
-no longer runs on this host and nothing else says why (killed, or a second stop signal).
+no longer runs on this host and nothing else says why (killed, or a second stop signal). A run with records
+and no summary is "incomplete" (running), "failed" where a rank's log says how, or "ended unfinished" where
+that process is gone.
 
 Plot layout: the default loss-curve figure has one row per run (train loss, val loss, learning rate on a
 second y axis); --compare puts every run in one axes instead. A --metrics grid has one subplot per metric
-and always overlays the runs. --x epoch is step / steps per epoch, as the trainer states it in val and
-summary records (or where the records' steps and epochs pin it down); without it, it is an error. Bad
+and always overlays the runs. --x epoch is step / steps per epoch, as the trainer states it in start, val
+and summary records (or where the records' steps and epochs pin it down); without it, it is an error. Bad
 input (no metrics.jsonl, a corrupt line, an unknown metric) exits with status 2 and a message, except a
 damaged run found by --all, which is a row with status "unreadable" (the reason on stderr); a
 cut-short or non-UTF-8 last line (a run killed mid-write) only warns, as does a record whose step is not a
@@ -61,6 +63,7 @@ FAILED_EARLY = "failed before its first record"
 STOPPED_IN_SET_UP = "stopped in set-up"
 NOT_TRAINED = "not trained"
 ENDED_EARLY = "ended before its first record"
+ENDED_UNFINISHED = "ended unfinished"  # records, no summary, and the process the lock names is gone
 UNREADABLE = "unreadable"  # a run found by --all whose files are damaged: the others are still listed
 FAILED = "failed"  # no summary record, and the newest launch logged why it ended ("training failed after step N")
 LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \[RANK \d+\] ")  # rt.setup_logger's format
@@ -281,8 +284,8 @@ def epoch_bounds(records: list) -> tuple:
 
 
 def find_steps_per_epoch(records: list) -> Optional[int]:
-    """As the trainer states it in val and summary records (the newest), else where the records' steps and
-    epochs pin it down."""
+    """As the trainer states it in start, val and summary records (the newest), else where the records' steps
+    and epochs pin it down."""
     stated = [r["steps_per_epoch"] for r in records if isinstance(r.get("steps_per_epoch"), int)]
     if stated:
         return stated[-1]
@@ -570,7 +573,7 @@ def set_up_failure(run: Run) -> Optional[str]:
 def summarize(run: Run) -> dict:
     """One run's headline numbers. Without a summary record (still running, killed, or failed) they are
     rebuilt from the train/val records and the status is "incomplete", or "failed" with the `error` its
-    newest launch logged."""
+    newest launch logged, or "ended unfinished" once the process its lock names is gone."""
     if run.no_records:
         return {**dict.fromkeys(SUMMARY_FIELDS), "name": run.name, "status": run.status,
                 **({"error": run.error} if run.error else {})}
@@ -593,6 +596,10 @@ def summarize(run: Run) -> dict:
     failure = None if s else training_failure(run)
     error = failure or (None if s else set_up_failure(run))  # a refused relaunch leaves the run incomplete
     status = s.get("status", FAILED if failure else "incomplete")
+    gone = lock_holder_gone(run.path) if status == "incomplete" and not error else None
+    if gone:  # not running any more: killed, or a second stop signal (which exits at once)
+        status, error = ENDED_UNFINISHED, (f"its process ({gone}) is gone, with no error in its log (killed, or a "
+                                           f"second stop signal): relaunch to resume from its newest state")
     return {
         "name": run.name,
         "status": status,
@@ -647,7 +654,8 @@ def format_summaries(rows: list, fmt: str = "one-line") -> str:
                                UNREADABLE):
                 lines.append(f"{f['name']}: {r['status']}" + (f": {r['error']}" if r.get("error") else ""))
                 continue
-            lines.append(f"{f['name']}: {f['status']}, {f['steps']} step{'s' * (f['steps'] != 1)}, val {f['final_val_loss']} "
+            steps = f"{f['steps']} step{'s' * (r['steps'] != 1)}"
+            lines.append(f"{f['name']}: {f['status']}, {steps}, val {f['final_val_loss']} "
                          f"(best {f['best_val_loss']}), test {f['test_loss']}, {f['total_time_s']} s over "
                          f"{f['sessions']} session{'s' if r['sessions'] != 1 else ''}, "
                          f"{f['avg_samples_per_s']} samples/s"
@@ -722,7 +730,7 @@ def check_x_axis(runs: list, x: str) -> None:
             known = (f"at least {lo}" + ("" if hi == math.inf else f" and at most {hi}") if lo <= hi
                      else "contradictory numbers (epochs of different lengths?)")
             raise LogError(f"{run.path}: --x epoch needs the number of steps per epoch, which the trainer "
-                           f"states in val and summary records; these records only say {known}. "
+                           f"states in start, val and summary records; these records only say {known}. "
                            f"Use --x step or --x time")
 
 

@@ -357,8 +357,9 @@ def test_a_resumed_run_takes_its_curves_back_from_another_run_in_its_log_dir(tmp
         starts = [r for r in recs if r["type"] == "start"]
         return {r["run_id"] for r in starts}, [r["step"] for r in recs if r["type"] == "train"], starts
 
-    DDPTrainer(config=a).train()
-    (run_a,), _, _ = steps_by_run(logs / "metrics.jsonl")
+    summary = DDPTrainer(config=a).train()
+    (run_a,), _, (start,) = steps_by_run(logs / "metrics.jsonl")
+    assert start["steps_per_epoch"] == summary["steps_per_epoch"] > 0  # for --x epoch before any validation
     DDPTrainer(config=b).train()
     (run_b,), b_steps, _ = steps_by_run(logs / "metrics.jsonl")
     assert run_b != run_a and b_steps == list(range(1, 11))

@@ -351,6 +351,10 @@ def test_epoch_axis_inside_the_first_epoch_reads_the_stated_steps_per_epoch(tmp_
     assert "--x epoch needs the number of steps per epoch" in err and "at least 6" in err and str(d) in err
     assert not out.exists()
     assert tl.main(["plot", str(d), "--x", "step", "--output", str(out)]) == 0  # other axes still work
+    # a run killed before its first validation: its start record says it (since 27 Nov 2026)
+    start = {"type": "start", "run_id": "ab12", "step": 0, "world_size": 1, "steps_per_epoch": 10}
+    assert tl.series(tl.load_run(write_run(d, [start] + train_recs(range(1, 7), spe=10))), "loss",
+                     x="epoch")[0] == [s / 10 for s in range(1, 7)]
 
 
 def test_summary_all_shows_runs_with_no_records_yet(runs, tmp_path, capsys):
@@ -858,6 +862,27 @@ def test_a_run_whose_process_is_gone_without_a_record_is_not_still_setting_up(tm
             tl.load_run(d)
     finally:
         zombie.wait()
+
+
+def test_a_run_with_records_whose_process_is_gone_ended_unfinished(tmp_path, capsys):
+    """A run SIGKILLed after its first records stayed "incomplete", as one still running (a user test): its
+    lock's process, gone from this host, says it ended. Running, or failed with an error, it is as before."""
+    d = write_run(tmp_path / "r", train_recs(range(1, 13), spe=9))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid, host = int(gone.stdout), socket.gethostname()
+    (d / ".lock").write_text(f"pid {os.getpid()} on {host} since 2026-11-27 10:00:00\n")
+    assert tl.summarize(tl.load_run(d))["status"] == "incomplete"
+    (d / ".lock").write_text(f"pid {pid} on {host} since 2026-11-27 10:00:00\n")
+    row = tl.summarize(tl.load_run(d))
+    assert (row["status"], row["steps"]) == ("ended unfinished", 12)
+    assert row["error"] == (f"its process (pid {pid} on {host}) is gone, with no error in its log (killed, or a "
+                            f"second stop signal): relaunch to resume from its newest state")
+    assert tl.main(["summary", str(d)]) == 0
+    assert capsys.readouterr().out.startswith("r: ended unfinished, 12 steps, ")
+    (d / "rank_0.log").write_text("2026-11-27 10:00:00 [RANK 0] INFO: rank 0/1, local_rank 0, device cpu\n"
+                                  "2026-11-27 10:00:09 [RANK 0] ERROR: training failed after step 12: StepFailed: "
+                                  "step 13: x\n")
+    assert tl.summarize(tl.load_run(d))["status"] == "failed"
 
 
 def test_a_trainer_closed_without_training_is_not_trained(tmp_path, no_launch_env):
