@@ -815,6 +815,19 @@ def terminal_columns(stream) -> Optional[int]:
         return None
 
 
+def check_not_an_unnamed_rank() -> None:
+    """A process that multiprocessing started (mp.spawn) with a rendezvous address set means to be a rank; with
+    no launcher variables, no group and no rank given it trained alone as rank 0 of 1, each of its siblings
+    too (or was turned away from the run dir they share, as if another run held it)."""
+    import multiprocessing
+    rendezvous = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v in os.environ]
+    if multiprocessing.parent_process() is not None and rendezvous:
+        raise ValueError(f"DDPTrainer: this process was started by multiprocessing (mp.spawn?) with "
+                         f"{' and '.join(rendezvous)} set, but neither RANK and WORLD_SIZE nor a process group say "
+                         f"its rank, so it would train alone as rank 0 of 1: pass rank= and world_size= (mp.spawn "
+                         f"passes the rank as the first argument), or make the process group first")
+
+
 class AboveTheBar(logging.StreamHandler):
     """The console under a progress bar: lines print above the bar (tqdm.write), and the periodic
     step lines, which the bar replaces, are left out."""
@@ -1206,6 +1219,8 @@ class DDPTrainer:
             else:
                 rank, world_size = launch["rank"], launch["world_size"]
                 local_rank = launch["local_rank"] if local_rank is None else local_rank
+                if launch["launcher"] == "none":
+                    check_not_an_unnamed_rank()
         elif rank is None or world_size is None:
             raise ValueError(f"DDPTrainer: give rank and world_size together, or neither (taken from the "
                              f"launcher's environment); got rank={rank}, world_size={world_size}")

@@ -1267,6 +1267,27 @@ def _init_from_per_rank(rank, world_size, root):
     return trainer.train()["status"], loaded
 
 
+def _no_rank_given(rank, world_size, root):
+    try:
+        DDPTrainer(config={**QUICK, **dirs(Path(root) / str(rank)), "max_steps": 1})
+    except ValueError as exc:
+        return str(exc)
+    return "built"
+
+
+@pytest.mark.multi
+def test_an_mp_spawn_rank_that_names_no_rank_is_refused_not_trained_alone(tmp_path):
+    """mp.spawn's processes with MASTER_ADDR/MASTER_PORT set, no launcher variables and no group, built
+    DDPTrainer(config=...) as rank 0 of 1 each: two runs alone, or one turned away from the run dir the other
+    held as if another run had it (a migrating user)."""
+    assert spawn(_no_rank_given, 2, str(tmp_path), timeout=120) == [
+        "DDPTrainer: this process was started by multiprocessing (mp.spawn?) with MASTER_ADDR and MASTER_PORT set, "
+        "but neither RANK and WORLD_SIZE nor a process group say its rank, so it would train alone as rank 0 of 1: "
+        "pass rank= and world_size= (mp.spawn passes the rank as the first argument), or make the process group "
+        "first"] * 2
+    assert not (tmp_path / "0").exists()  # refused before it claimed a run dir
+
+
 @pytest.mark.multi
 def test_init_from_on_two_ranks_must_read_the_same_weights(tmp_path):
     torch.manual_seed(0)
