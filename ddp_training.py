@@ -1393,6 +1393,7 @@ class DDPTrainer:
         self.memory = rt.MemoryManager(env.device, self.log, cfg.memory_check_interval,
                                        cfg.cleanup_interval, cfg.max_memory_gb)
         self.metrics_path = Path(cfg.log_dir) / "metrics.jsonl"
+        self.changed_rates = None  # a resume's (saved, configured) learning rates and weight decays, if they differ
         self._tb = None
         self._bar = None
         self.in_train = False
@@ -2414,9 +2415,7 @@ class DDPTrainer:
         changes it). Unchanged settings give exactly the saved rate, so a resumed run stays bit-identical."""
         groups = self.optimizer.param_groups
         saved = [(g["initial_lr"], g["weight_decay"]) for g in groups]
-        if saved != configured:
-            self.log.warning("the state was saved with (learning_rate, weight_decay) %s per parameter group; this "
-                             "run's %s apply from here on", saved, configured)
+        self.changed_rates = (saved, configured) if saved != configured else None  # said by train(): see there
         self.scheduler.base_lrs = [lr for lr, _ in configured]
         step = self.scheduler.last_epoch
         for g, (lr, wd), factor in zip(groups, configured, self.scheduler.lr_lambdas):
@@ -2571,6 +2570,9 @@ class DDPTrainer:
             if finished is not None:
                 summary = self._nothing_to_do(finished)
             else:
+                if self.changed_rates:  # not before: a finished run trains no step with them
+                    self.log.warning("the state was saved with (learning_rate, weight_decay) %s per parameter "
+                                     "group; this run's %s apply from here on", *self.changed_rates)
                 rt.run_on_rank0(self._prepare_run_dir, what="preparing the run directory")
                 summary = self._finish(self._loop(stop_signal))
             clean = True
@@ -2651,9 +2653,11 @@ class DDPTrainer:
         return {key: getattr(self.cfg, key) for key in ("patience", "min_delta", "target_loss")}
 
     def _nothing_to_do(self, summary: dict) -> dict:
-        self.log.info("this run already finished (%s at step %d, see %s): nothing to do; --resume none or another "
-                      "--run_name starts a new one", summary["status"], summary["steps"],
-                      Path(self.cfg.log_dir) / COMPLETED_MARKER)
+        changed = ("" if not self.changed_rates else f", and this run's (learning_rate, weight_decay) "
+                   f"{self.changed_rates[1]}, not the state's {self.changed_rates[0]}, train no step")
+        self.log.info("this run already finished (%s at step %d, see %s): nothing to do%s; resume none "
+                      "(--resume none) or another run_name starts a new one",
+                      summary["status"], summary["steps"], Path(self.cfg.log_dir) / COMPLETED_MARKER, changed)
         # rewritten with this launch's id (launch_training.sh): a stop that comes now finds the run complete
         rt.run_on_rank0(self._write_completed_marker, summary, what="writing the COMPLETED marker")
         return {**summary, "already_complete": True}

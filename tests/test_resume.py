@@ -312,6 +312,14 @@ def test_relaunching_a_finished_run_changes_nothing(tmp_path, no_launch_env):
     again = DDPTrainer(config=cfg_for(tmp_path)).train()
     assert again == {**first, "already_complete": True}  # its summary, and its files untouched
     assert {p: p.read_bytes() for p in files} == files
+    # a learning rate changed for a finished run trains nothing: the log said it applied "from here on"
+    lr = cfg_for(tmp_path)["learning_rate"]
+    assert DDPTrainer(config={**cfg_for(tmp_path), "learning_rate": lr / 2}).train()["already_complete"]
+    log = (tmp_path / "logs" / "rank_0.log").read_text().split("rank 0/1, local_rank")[-1]
+    assert "apply from here on" not in log and (f"nothing to do, and this run's (learning_rate, weight_decay) "
+                                                f"[({lr / 2}, ") in log and "train no step; resume none" in log, log
+    assert DDPTrainer(config={**cfg_for(tmp_path), "learning_rate": lr / 2, "max_steps": 22}).train()["steps"] == 22
+    assert "apply from here on" in (tmp_path / "logs" / "rank_0.log").read_text().split("rank 0/1, local_rank")[-1]
 
 
 def test_an_early_stopped_run_is_done_until_its_stop_is_lifted(tmp_path, no_launch_env):
