@@ -613,6 +613,13 @@ class ArgumentParser(argparse.ArgumentParser):
         super().error(message)
 
 
+def add_local_rank_flag(parser: argparse.ArgumentParser) -> None:
+    """torch.distributed.launch (the launcher before torchrun) passes --local-rank=N to every worker, and sets
+    LOCAL_RANK as torchrun does: the flag is taken and the environment read."""
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=argparse.SUPPRESS,
+                        help="ignored (torch.distributed.launch passes it); LOCAL_RANK from the environment is used")
+
+
 def exit_process(code: int) -> None:
     """Flush everything and exit without running C++ static destructors: with gloo these can
     abort a finished process ("terminate called without an active exception", exit -6)."""

@@ -3260,6 +3260,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu", action="store_true", help="train on the CPU with gloo")
     p.add_argument("--test", action="store_true", help="quick run: tiny model, 60 steps, in runs/lm_test")
     p.add_argument("--nproc", type=int, default=1, help="spawn N local processes (no torchrun needed)")
+    rt.add_local_rank_flag(p)
     add_config_flags(p, [f.name for f in dataclasses.fields(TrainConfig)], argparse.SUPPRESS)
     return p
 

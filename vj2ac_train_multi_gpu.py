@@ -314,8 +314,7 @@ def build_parser():
     p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda if available")
     p.add_argument("--dist-backend", "--dist_backend", dest="dist_backend", choices=["nccl", "gloo"],
                    help="default: nccl on cuda, gloo on cpu")
-    p.add_argument("--local_rank", "--local-rank", type=int,
-                   help="ignored (torch.distributed.launch passes it); LOCAL_RANK from the environment is used")
+    rt.add_local_rank_flag(p)
     p.add_argument("--run_name", "--run-name", default="vj2ac",
                    help="names the default checkpoint dir, checkpoints/<run_name>; relaunching the same run "
                         "resumes it" + d)

@@ -2668,3 +2668,16 @@ def test_a_terminal_of_no_width_gets_the_periodic_lines(tmp_path):
     text = out.decode(errors="replace")
     assert proc.returncode == 0, text
     assert re.search(r"step 2/4 loss [\d.]+", text) and re.search(r"step 4/4 loss [\d.]+", text), text
+
+
+@pytest.mark.multi
+def test_the_torch_distributed_launch_of_older_scripts_runs_the_lm(tmp_path):
+    """`python -m torch.distributed.launch` (reference 001's option 3) passes --local-rank=N to each worker:
+    the LM script refused it as an unknown argument, where the VJ2 script took it."""
+    port = free_ports(1)[0]
+    r = run([sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "2", f"--master_port={port}",
+             REPO / "ddp_training.py", "--cpu", "--max_steps", "3", "--hidden_size", "16", "--num_layers", "1",
+             "--dataset_size", "256", "--log_dir", "logs", "--checkpoint_dir", "ckpt"], tmp_path, timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:]
+    summary = metrics(tmp_path / "logs", "summary")[-1]
+    assert (summary["status"], summary["steps"], summary["world_size"]) == ("completed", 3, 2)
