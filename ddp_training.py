@@ -852,9 +852,13 @@ class StepAbandoned(rt.Failed):
     started reducing): the run ends here, and the others learn why from this rank's FAILED marker."""
 
 
+# Where other trainers' checkpoints keep the weights: PyTorch's tutorials' {"model_state_dict": ...}, Lightning's
+OTHER_WEIGHTS_KEYS = ("model_state_dict", "state_dict")
+
+
 def init_weights_in(ckpt, weights_key: str, extra: dict, must_match: dict, own_keys: frozenset = frozenset()) -> tuple:
     """(the weights, a note of where they come from) in a file given as init_from: this kit's weights file (its
-    `weights_key`), a resumable state (its model) or a bare state dict. The model's settings that the file
+    `weights_key`), a resumable state (its model), a bare state dict, or another trainer's (OTHER_WEIGHTS_KEYS). The model's settings that the file
     records must be this model's, dropout aside (a count of heads changes what the same shapes compute, an
     action layout what the same inputs mean): a weights file's dict and list entries among the trainer's
     checkpoint_extra (model_config; predictor_config, data_geometry), a state's must_match."""
@@ -867,9 +871,12 @@ def init_weights_in(ckpt, weights_key: str, extra: dict, must_match: dict, own_k
         weights = ckpt["model"]
     elif ckpt and all(isinstance(v, torch.Tensor) for v in ckpt.values()):
         weights = ckpt
+    elif any(isinstance(ckpt.get(k), dict) for k in OTHER_WEIGHTS_KEYS):
+        weights = next(ckpt[k] for k in OTHER_WEIGHTS_KEYS if isinstance(ckpt.get(k), dict))
     else:
         raise ValueError(f"holds no weights under {weights_key!r} (its keys: {sorted(map(str, ckpt))[:8]}); "
-                         f"expected a weights file of this model, a resumable state or a state dict")
+                         f"expected a weights file of this model, a resumable state, a state dict, or one under "
+                         f"{' or '.join(map(repr, OTHER_WEIGHTS_KEYS))}")
     if not all(isinstance(k, str) for k in weights):
         raise ValueError("its weights are not a state dict (keys that are not parameter names)")
     recorded, ours = (ckpt.get("must_match") or {}, must_match) if state else (ckpt, extra)

@@ -1160,7 +1160,11 @@ def test_init_from_starts_a_fresh_run_from_another_runs_weights(tmp_path, no_lau
     # a resumable state's model, and a bare state dict from a DDP-wrapped model, load as well
     state = torch.load(tmp_path / "a" / "ckpt" / "model_state_step_6.pt", weights_only=True)
     torch.save({f"module.{k}": v for k, v in state["model"].items()}, tmp_path / "bare.pt")
-    for source in (tmp_path / "a" / "ckpt" / "model_state_step_6.pt", tmp_path / "bare.pt"):
+    # and other trainers' layouts: PyTorch's tutorials' (a migrating user), Lightning's
+    torch.save({"epoch": 3, "model_state_dict": state["model"], "optimizer_state_dict": {}}, tmp_path / "tut.pt")
+    torch.save({"global_step": 6, "state_dict": state["model"]}, tmp_path / "lightning.pt")
+    for source in (tmp_path / "a" / "ckpt" / "model_state_step_6.pt", tmp_path / "bare.pt", tmp_path / "tut.pt",
+                   tmp_path / "lightning.pt"):
         t = DDPTrainer(config={**tuned, **dirs(tmp_path / "c"), "resume": "none", "init_from": str(source)})
         assert t.evaluate()["loss"] == pytest.approx(first["final_val_loss"], rel=1e-6), source
         t.close()
