@@ -601,14 +601,64 @@ def refusal_in(path) -> Optional[str]:
     return None
 
 
+# One setting's names in other trainers (Hugging Face, Lightning, nanoGPT, the scripts our users come from),
+# the kit's first: a key or flag of theirs is refused with the kit's name for it
+SAME_SETTING = (
+    ("learning_rate", "lr", "base_lr", "max_lr"),
+    ("grad_accum_steps", "gradient_accumulation_steps", "accumulate_grad_batches", "accumulation_steps",
+     "grad_accum"),
+    ("batch_size", "per_device_train_batch_size", "train_batch_size", "micro_batch_size", "batch"),
+    ("num_epochs", "epochs", "max_epochs", "n_epochs", "num_train_epochs"),
+    ("max_steps", "max_iters", "num_steps", "total_steps", "max_iterations", "train_steps"),
+    ("save_every_iters", "save_steps", "save_every", "checkpoint_every", "save_freq"),
+    ("val_interval", "val_every_iters", "eval_steps", "eval_interval", "val_every", "eval_every",
+     "val_check_interval"),
+    ("grad_clip", "max_grad_norm", "gradient_clip_val", "clip_grad_norm", "clip_grad"),
+    ("warmup_steps", "num_warmup_steps", "warmup_iters", "warmup"),
+    ("dist_backend", "backend"),
+    ("data_strategy", "dispatch_batches"),
+    ("patience", "early_stopping_patience"),
+    ("use_amp", "fp16", "amp", "mixed_precision"),
+    ("log_dir", "output_dir", "logging_dir"),
+    ("resume", "resume_from_checkpoint"),
+    ("num_workers", "dataloader_num_workers"),
+)
+WORLD_SIZE_KEYS = ("world_size", "nproc", "num_gpus", "gpus", "nodes", "num_nodes")
+
+
+def name_hint(name: str, known) -> str:
+    """' (...)' naming the known key or flag that `name` (unknown) probably means, else ''."""
+    import difflib
+    known = set(known)
+    bare = name.lstrip("-").split("=")[0]
+    dashes = name[:len(name) - len(name.lstrip("-"))]
+    for candidate in (bare.replace("-", "_"), bare.replace("_", "-")):
+        if candidate != bare and candidate in known:
+            return f" (did you mean {dashes}{candidate}?)"
+    same = next((g for g in SAME_SETTING if bare.replace("-", "_") in g), ())
+    ours = [k for k in same if k in known]
+    if ours:
+        return f" (this kit's name for it: {dashes}{ours[0]})"
+    if bare.replace("-", "_") in WORLD_SIZE_KEYS:
+        return " (the number of processes is the launcher's: torchrun --nproc_per_node, --nproc, srun -n)"
+    close = difflib.get_close_matches(bare, known, n=1, cutoff=0.8)
+    return f" (did you mean {dashes}{close[0]}?)" if close else ""
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose errors (exit 2) also reach torchrun's failure summary and the launcher (see refuse),
-    and that takes no abbreviated flags: the launcher reads --log_dir from the scripts' arguments as typed."""
+    that takes no abbreviated flags (the launcher reads --log_dir from the scripts' arguments as typed), and
+    that names the flag an unknown one probably means."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message):
+        if message.startswith("unrecognized arguments: "):
+            flags = [s[2:] for a in self._actions for s in a.option_strings if s.startswith("--")]
+            hints = [f"{arg}{name_hint(arg, flags)}" for arg in message.split(": ", 1)[1].split()
+                     if arg.startswith("--")]
+            message += "".join(f"; {h}" for h in hints if h.endswith(")"))
         note_for_torchrun(f"{self.prog}: error: {message}")
         super().error(message)
 

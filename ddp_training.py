@@ -210,7 +210,8 @@ class TrainConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         for key in cfg:
             if key not in known:
-                raise ValueError(f"unknown config key {key!r}; known keys: {', '.join(sorted(known))}")
+                raise ValueError(f"unknown config key {key!r}{rt.name_hint(key, known)}; known keys: "
+                                 f"{', '.join(sorted(known))}")
         hints = typing.get_type_hints(cls)
         out = cls(**{key: _typed(key, value, hints[key]) for key, value in cfg.items()})
         out.check()
@@ -3231,9 +3232,11 @@ def config_from_yaml(path: str) -> dict:
     """TrainConfig keys from a YAML file (--config)."""
     data = load_yaml_mapping(path)
     known = {f.name for f in dataclasses.fields(TrainConfig)}
-    for key in data:
+    for key, value in data.items():
         if key not in known:
-            raise ValueError(f"--config {path}: unknown config key {key!r}")
+            nested = " (a flat mapping: nested sections are not read)" if isinstance(value, dict) else ""
+            raise ValueError(f"--config {path}: unknown config key {key!r}{rt.name_hint(key, known) or nested}; "
+                             f"known keys: {', '.join(sorted(known))}")
     return data
 
 

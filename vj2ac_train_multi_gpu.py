@@ -474,8 +474,8 @@ def defaults_from_file(parser, path, given) -> dict:
                       "read)" if any(isinstance(v, dict) for v in data.values()) else "")
             launch = (f" ({'--' + key} is a flag of one launch, not a key of the run)" if key in NOT_RECORDED
                       else "")
-            parser.error(f"--config {path}: unknown key {key!r}{nested}{launch}; expected flag names: "
-                         f"{', '.join(sorted(actions))}")
+            parser.error(f"--config {path}: unknown key {key!r}{nested}{launch}{rt.name_hint(key, actions)}; "
+                         f"expected flag names: {', '.join(sorted(actions))}")
         values[key] = flag_value(parser, actions[key], f"--config {path}: key {key!r}", value)
     file_run = values.get("run_name", parser.get_default("run_name"))
     run = given.get("run_name", TEST_DEFAULTS["run_name"] if given.get("test") else file_run)

@@ -989,8 +989,11 @@ def test_a_peers_failure_is_told_from_this_ranks_own_by_gloos_words_not_by_a_pat
 # -- configuration and CLI errors ---------------------------------------------------
 
 def test_unknown_config_key_names_the_key(tmp_path):
-    with pytest.raises(ValueError, match="unknown config key 'batchsize'"):
+    with pytest.raises(ValueError, match=r"unknown config key 'batchsize' \(did you mean batch_size\?\)"):
         DDPTrainer(config={"batchsize": 4})
+    with pytest.raises(ValueError, match=r"^unknown config key 'gradient_accumulation_steps' \(this kit's name for it: "
+                                         r"grad_accum_steps\); known keys: amp_dtype, "):
+        DDPTrainer(config={"gradient_accumulation_steps": 4})
     with pytest.raises(ValueError, match=r"give rank and world_size together, or neither .* got rank=1, world_size=None"):
         DDPTrainer(rank=1, config={"batch_size": 4})
     with pytest.raises(ValueError, match="'lr_schedule' must be one of"):
@@ -1551,6 +1554,12 @@ SCRIPT_RUN_CASES = (["--no_such_flag", "1"], ["--max_steps", "-3"], ["--cpu", "-
     (["--data", ""], "config key 'data' must be a path (or none for the default), got an empty string"),
     (["--config", "latin1.yaml"], "--config latin1.yaml: 'utf-8' codec can't decode"),
     (["--save_every", "3"], "unrecognized arguments: --save_every"),  # no abbreviations
+    # other trainers' names are told the kit's (a migrating user)
+    (["--hidden-size", "16"], "unrecognized arguments: --hidden-size 16; --hidden-size (did you mean --hidden_size?)"),
+    (["--gradient_accumulation_steps", "2"], "--gradient_accumulation_steps (this kit's name for it: --grad_accum_steps)"),
+    (["--world_size", "2"], "--world_size (the number of processes is the launcher's: torchrun --nproc_per_node"),
+    (["--config", "hf.yaml"], "unknown config key 'lr' (this kit's name for it: learning_rate); known keys: amp_dtype"),
+    (["--config", "nested.yaml"], "unknown config key 'parallel' (a flat mapping: nested sections are not read)"),
     (["--cpu", "--log_dir", "empty.txt"],
      "error: ValueError: log_dir empty.txt: cannot write rank_0.log there (FileExistsError"),
     # found at set-up, not at the first save an epoch later
@@ -1567,6 +1576,8 @@ def test_cli_bad_input_exits_2_with_a_clear_message(tmp_path, argv, message):
     (tmp_path / "dup.yaml").write_text("dropout: 0.1\nbatch_size: 8\ndropout: 0.2\n")
     (tmp_path / "syntax.yaml").write_text("batch_size: [\n")
     (tmp_path / "latin1.yaml").write_bytes("run_name: caf\u00e9\n".encode("latin-1"))
+    (tmp_path / "hf.yaml").write_text("lr: 0.1\n")
+    (tmp_path / "nested.yaml").write_text("parallel:\n  world_size: 2\n")
     (tmp_path / "runs" / "linked").mkdir(parents=True)
     (tmp_path / "runs" / "linked" / "checkpoints").symlink_to(tmp_path / "empty.txt" / "ck")
     argv = [a.replace("{yaml}", str(tmp_path / "bad.yaml")) for a in argv]

@@ -240,7 +240,9 @@ def test_a_config_file_is_read_like_the_flags_and_a_run_records_one(tmp_path, ca
     assert vj2.parse_args(["--config", str(path), "--run_name", "b"]).checkpoint_dir is None
     assert "note: --run_name replaces checkpoint_dir=ck/a" in capsys.readouterr().err
     assert vj2.parse_args(["--config", str(path), "--run_name", "a"]).checkpoint_dir == "ck/a"
-    for text, message in [("bogus: 1\n", "unknown key 'bogus'"), ("batch_size: 2.5\n", "key 'batch_size' expects int"),
+    for text, message in [("bogus: 1\n", "unknown key 'bogus'"),
+                          ("learning_rate: 1\n", "unknown key 'learning_rate' (this kit's name for it: lr)"),
+                          ("batch_size: 2.5\n", "key 'batch_size' expects int"),
                           ("skip_bad_files: 1\n", "key 'skip_bad_files' must be true or false, got 1"),
                           ("compile: 1\n", "key 'compile' must be true or false, got 1"),
                           ("compile: maybe\n", "key 'compile' must be true or false, got 'maybe'"),
