@@ -2373,8 +2373,9 @@ class DDPTrainer:
         for key, was, value in checks:
             if was != value:
                 raise StateMismatch(f"{path} was written with {key}={was}, this run has {key}={value}; resuming "
-                                    f"with a different {key} is refused (--resume none or another --run_name starts "
-                                    f"fresh; or use the original setting)")
+                                    f"with a different {key} is refused (another --run_name with --init_from {path} "
+                                    f"starts a new run from these weights, --resume none starts afresh here; or use "
+                                    f"the original setting)")
         self._check_data_fingerprint(state.get("data_fingerprint", "absent"), path)
         self._check_modules(state.get("modules"), path)
         saved = state.get("seeded_samples")  # absent from states written before 25 Nov 2026

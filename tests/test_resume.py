@@ -4,6 +4,7 @@ on two, after SIGTERM, after SIGKILL under torchrun --max-restarts, and after co
 
 import json
 import os
+import re
 import random
 import signal
 import time
@@ -813,8 +814,15 @@ def test_signal_on_one_rank_then_resume_is_bit_identical_two_ranks(tmp_path, ref
 @pytest.mark.multi
 def test_a_state_of_two_ranks_is_refused_by_one(tmp_path, no_launch_env):
     spawn(_two_rank_run, 2, str(tmp_path), -1, 0, dict(TWO_RANK, max_steps=5))
-    with pytest.raises(ValueError, match="world_size=2, this run has world_size=1; resuming with a different"):
+    state = tmp_path / "ckpt" / "model_state_step_5.pt"
+    with pytest.raises(ValueError, match=re.escape(f"world_size=2, this run has world_size=1; resuming with a "
+                                                   f"different world_size is refused (another --run_name with "
+                                                   f"--init_from {state} starts a new run from these weights")):
         DDPTrainer(config=cfg_for(tmp_path, **TWO_RANK))
+    # as it says: the two ranks' weights go on in one process
+    one = DDPTrainer(config=cfg_for(tmp_path / "one", **TWO_RANK, max_steps=2, init_from=str(state)))
+    assert one.evaluate()["loss"] == pytest.approx(metrics(tmp_path / "logs", "val")[-1]["val_loss"], rel=1e-5)
+    assert one.train()["status"] == "completed"
 
 
 @pytest.mark.multi
