@@ -1054,6 +1054,18 @@ def test_the_readme_snippet_rebuilds_the_lm_from_its_final_weights(tmp_path, no_
     assert names["model"](tokens).shape == (2, 8, 64)
 
 
+@pytest.mark.multi
+def test_the_readme_mp_spawn_example_trains_two_ranks(tmp_path):
+    text = (REPO / "README.md").read_text()
+    snippet = next(block for block in re.findall(r"```python\n(.*?)```", text, re.S) if "mp.spawn(" in block)
+    assert '"max_steps": 100' in snippet
+    (tmp_path / "example.py").write_text(snippet.replace('"max_steps": 100', '"max_steps": 4'))
+    r = run([sys.executable, "example.py"], tmp_path, timeout=240, env=clean_env(MASTER_PORT=free_ports(1)[0]))
+    assert r.returncode == 0, r.stdout[-3000:]
+    summary = metrics(tmp_path / "runs" / "api_2", "summary")[-1]
+    assert (summary["status"], summary["steps"], summary["world_size"]) == ("completed", 4, 2)
+
+
 def test_datasets_without_a_model_are_refused_not_dropped(tmp_path):
     """With no model the trainer builds its own LM and data: a dataset passed alone was silently not trained on."""
     data = _markov(QUICK)
