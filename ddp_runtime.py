@@ -939,6 +939,14 @@ def unwritable_dir(path) -> Optional[str]:
     return None
 
 
+def pid_namespace() -> str:
+    """This process's PID namespace as Linux names it ("pid:[4026531836]"), or "" where it cannot tell."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
 def run_identity() -> str:
     """What the ranks of one multi-process run share and another run beside it does not (its rendezvous
     address), as the run-dir lock notes it; '' for a single process."""
@@ -993,7 +1001,9 @@ class RunDirLock:
             logging.getLogger(__name__).warning("cannot lock %s (%s): nothing stops a second run there", path, exc)
             return None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{self.this_process()}since {time.strftime('%Y-%m-%d %H:%M:%S')}{note}\n".encode(), 0)
+        # the PID namespace: a pid means this process only to readers in the same one (training_logs)
+        stamp = f"{self.this_process()}since {time.strftime('%Y-%m-%d %H:%M:%S')}{note} [{pid_namespace()}]"
+        os.pwrite(fd, f"{stamp}\n".encode(), 0)
         self._fds.append(fd)
         _HELD_LOCK_FDS.add(fd)
         return None
@@ -1005,6 +1015,7 @@ class RunDirLock:
 
     def release(self) -> None:
         self._unlock(self._fds, self._pid)
+
 
     @staticmethod
     def _unlock(fds: list, pid: int) -> None:
@@ -1025,6 +1036,16 @@ class RunDirLock:
 
 _HELD_LOCK_FDS: set = set()
 
+
+def started_by_my_parent(holder: str) -> bool:
+    """Whether a lock holder's text ("pid N on HOST since ...") names a sibling of this process (one parent)."""
+    m = re.match(r"pid (\d+) on (\S+) ", holder)
+    if not m or m.group(2) != socket.gethostname():
+        return False
+    try:
+        return psutil.Process(int(m.group(1))).ppid() == os.getppid()
+    except psutil.Error:
+        return False
 
 def _close_held_locks_in_child() -> None:
     for fd in _HELD_LOCK_FDS:

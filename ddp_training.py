@@ -816,17 +816,19 @@ def terminal_columns(stream) -> Optional[int]:
         return None
 
 
-def check_not_an_unnamed_rank() -> None:
-    """A process that multiprocessing started (mp.spawn) with a rendezvous address set means to be a rank; with
-    no launcher variables, no group and no rank given it trained alone as rank 0 of 1, each of its siblings
-    too (or was turned away from the run dir they share, as if another run held it)."""
+# What a process of mp.spawn is told when nothing says its rank: it trains alone as rank 0 of 1, as each of its
+# siblings (or they meet in one run dir, where the first turns the others away as if another run held it)
+UNNAMED_RANK = ("if it is one of mp.spawn's ranks, pass rank= and world_size= (mp.spawn passes the rank first), "
+                "or make the process group before the trainer")
+
+
+def maybe_an_unnamed_rank() -> bool:
+    """Started by multiprocessing with a rendezvous address set, and neither launcher variables nor a process
+    group nor the caller name its rank: an mp.spawn rank given no rank, or a Pool worker of a sweep (legitimately
+    alone, in a job that exports MASTER_ADDR), which cannot be told apart here."""
     import multiprocessing
-    rendezvous = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v in os.environ]
-    if multiprocessing.parent_process() is not None and rendezvous:
-        raise ValueError(f"DDPTrainer: this process was started by multiprocessing (mp.spawn?) with "
-                         f"{' and '.join(rendezvous)} set, but neither RANK and WORLD_SIZE nor a process group say "
-                         f"its rank, so it would train alone as rank 0 of 1: pass rank= and world_size= (mp.spawn "
-                         f"passes the rank as the first argument), or make the process group first")
+    return multiprocessing.parent_process() is not None and ("MASTER_ADDR" in os.environ or
+                                                             "MASTER_PORT" in os.environ)
 
 
 class AboveTheBar(logging.StreamHandler):
@@ -1217,6 +1219,7 @@ class DDPTrainer:
         self.resume_must_match = dict(resume_must_match or {})
         for key, value in self.resume_must_match.items():  # compared with ==, saved in states read weights_only
             check_plain(repr(key), value, "resume_must_match")
+        unnamed = False  # see maybe_an_unnamed_rank
         if rank is None and world_size is None:  # as the launcher (torchrun, SLURM) says; a plain process is 0 of 1
             launch = rt.detect_launch_env()
             if launch["world_size"] == 1 and dist.is_available() and dist.is_initialized():
@@ -1227,11 +1230,11 @@ class DDPTrainer:
             else:
                 rank, world_size = launch["rank"], launch["world_size"]
                 local_rank = launch["local_rank"] if local_rank is None else local_rank
-                if launch["launcher"] == "none":
-                    check_not_an_unnamed_rank()
+                unnamed = launch["launcher"] == "none" and maybe_an_unnamed_rank()
         elif rank is None or world_size is None:
             raise ValueError(f"DDPTrainer: give rank and world_size together, or neither (taken from the "
                              f"launcher's environment); got rank={rank}, world_size={world_size}")
+        self.maybe_unnamed_rank = unnamed
         try:
             self.env = rt.setup_distributed(rank, world_size, local_rank, cfg.dist_backend, cfg.device,
                                             max(cfg.dist_timeout, cfg.first_step_timeout))
@@ -1336,6 +1339,8 @@ class DDPTrainer:
                 whose += (f" (the launcher says this process is rank {launch['rank']} of {launch['world_size']}, "
                           f"but this trainer was given world_size={env.world_size}: leave rank and world_size "
                           f"out to take them from the launcher)")
+            elif self.maybe_unnamed_rank and rt.started_by_my_parent(holder):
+                whose = f"a process started beside this one, each as rank 0 of 1: {UNNAMED_RANK}"
             raise RunDirInUse(f"the run dirs (log_dir {cfg.log_dir}, checkpoint_dir {cfg.checkpoint_dir}) are in "
                               f"use by {holder}: {whose}")
         # one dir for both (the VJ2 script's default): an error names the setting the user gave
@@ -1346,6 +1351,9 @@ class DDPTrainer:
         self.log.info("rank %d/%d, local_rank %d, device %s, backend %s, timeout %.0fs, %d CPU threads",
                       env.rank, env.world_size, env.local_rank, env.device, env.backend or "none (1 process)",
                       cfg.dist_timeout, torch.get_num_threads())
+        if self.maybe_unnamed_rank:
+            self.log.warning("this process was started by multiprocessing with MASTER_ADDR or MASTER_PORT set, and "
+                             "nothing names its rank: it trains alone, as rank 0 of 1; %s", UNNAMED_RANK)
         # Rank 0 writes every checkpoint and the run's files, so all ranks stop on its answer. The log dir too:
         # an existing rank_0.log opens for appending in a dir where no file can be created, and metrics.jsonl,
         # config.yaml and the markers would fail later, with a traceback.
@@ -2372,10 +2380,12 @@ class DDPTrainer:
                 checks.append((key, was, value))
         for key, was, value in checks:
             if was != value:
+                # the sample order's settings: the weights fit this run (a model's setting: they do not)
+                carry = (f"another --run_name with --init_from {path} starts a new run from these weights, "
+                         if key in self._run_signature() else "")
                 raise StateMismatch(f"{path} was written with {key}={was}, this run has {key}={value}; resuming "
-                                    f"with a different {key} is refused (another --run_name with --init_from {path} "
-                                    f"starts a new run from these weights, --resume none starts afresh here; or use "
-                                    f"the original setting)")
+                                    f"with a different {key} is refused ({carry}--resume none or another "
+                                    f"--run_name starts fresh; or use the original setting)")
         self._check_data_fingerprint(state.get("data_fingerprint", "absent"), path)
         self._check_modules(state.get("modules"), path)
         saved = state.get("seeded_samples")  # absent from states written before 25 Nov 2026

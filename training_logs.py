@@ -376,14 +376,17 @@ def launches(log: Path) -> list:
 
 def lock_holder_gone(run_dir: Path) -> Optional[str]:
     """'pid N on HOST' where the run dir's lock note (the trainer's rank 0 writes it: "pid N on HOST since
-    ...") names a process that no longer runs on this host; None where it runs, or lives elsewhere, or no note
-    says. The note is read, never locked: a lock taken here could turn a starting run away."""
+    ... [pid:[NS]]") names a process that no longer runs on this host; None where it runs, or lives elsewhere
+    (another host, or another PID namespace on this one: a container), or no note says. The note is read, never locked: a lock taken here could turn a starting run away."""
     try:
         note = (run_dir / ".lock").read_text()
     except OSError:
         return None
     m = re.match(r"pid (\d+) on (\S+) since ", note)
     if not m or m.group(2) != socket.gethostname():
+        return None
+    namespace = re.search(r"\[(pid:\[\d+\])\]$", note.strip())  # notes since 27 Nov 2026 name it
+    if namespace and namespace.group(1) != pid_namespace():  # a container's pids: not seen from here
         return None
     try:
         os.kill(int(m.group(1)), 0)
@@ -392,6 +395,14 @@ def lock_holder_gone(run_dir: Path) -> Optional[str]:
     except OSError:  # EPERM: it runs, as another user
         return None
     return f"pid {m.group(1)} on {m.group(2)}" if is_zombie(int(m.group(1))) else None
+
+
+def pid_namespace() -> str:
+    """As ddp_runtime.pid_namespace (this module does not import torch)."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
 
 
 def is_zombie(pid: int) -> bool:

@@ -698,7 +698,8 @@ def test_another_model_is_refused_and_nothing_is_overwritten(tmp_path, no_launch
     DDPTrainer(config=cfg_for(tmp_path)).train()
     before = {p.name: p.read_bytes() for p in (tmp_path / "ckpt").glob("*.pt")}
     with pytest.raises(ValueError, match="model_state_step_20.pt was written with model hidden_size=32, this run "
-                                         "has model hidden_size=64; resuming with a different model hidden_size"):
+                                         "has model hidden_size=64; resuming with a different model hidden_size "
+                                         r"is refused \(--resume none or another --run_name starts fresh; or use"):
         DDPTrainer(config=cfg_for(tmp_path, hidden_size=64))
     assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt").glob("*.pt")} == before
     # a state that names no model settings (a user's model, or written before they were) is refused by its weights
@@ -817,7 +818,8 @@ def test_a_state_of_two_ranks_is_refused_by_one(tmp_path, no_launch_env):
     state = tmp_path / "ckpt" / "model_state_step_5.pt"
     with pytest.raises(ValueError, match=re.escape(f"world_size=2, this run has world_size=1; resuming with a "
                                                    f"different world_size is refused (another --run_name with "
-                                                   f"--init_from {state} starts a new run from these weights")):
+                                                   f"--init_from {state} starts a new run from these weights, "
+                                                   f"--resume none or another --run_name starts fresh; ")):
         DDPTrainer(config=cfg_for(tmp_path, **TWO_RANK))
     # as it says: the two ranks' weights go on in one process
     one = DDPTrainer(config=cfg_for(tmp_path / "one", **TWO_RANK, max_steps=2, init_from=str(state)))

@@ -1286,25 +1286,39 @@ def _init_from_per_rank(rank, world_size, root):
     return trainer.train()["status"], loaded
 
 
-def _no_rank_given(rank, world_size, root):
+def _no_rank_given(rank, world_size, root, shared):
+    """Builds the trainer with no rank; in one run dir for both, the one that holds it waits for the other's
+    refusal before it lets go."""
     try:
-        DDPTrainer(config={**QUICK, **dirs(Path(root) / str(rank)), "max_steps": 1})
+        trainer = DDPTrainer(config={**QUICK, **dirs(Path(root) / ("shared" if shared else str(rank))),
+                                     "max_steps": 1})
     except ValueError as exc:
+        Path(root, "refused").write_text(str(rank))
         return str(exc)
+    deadline = time.time() + 60
+    while shared and not Path(root, "refused").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    trainer.close()
     return "built"
 
 
 @pytest.mark.multi
-def test_an_mp_spawn_rank_that_names_no_rank_is_refused_not_trained_alone(tmp_path):
+def test_an_mp_spawn_rank_that_names_no_rank_is_told_how(tmp_path):
     """mp.spawn's processes with MASTER_ADDR/MASTER_PORT set, no launcher variables and no group, built
-    DDPTrainer(config=...) as rank 0 of 1 each: two runs alone, or one turned away from the run dir the other
-    held as if another run had it (a migrating user)."""
-    assert spawn(_no_rank_given, 2, str(tmp_path), timeout=120) == [
-        "DDPTrainer: this process was started by multiprocessing (mp.spawn?) with MASTER_ADDR and MASTER_PORT set, "
-        "but neither RANK and WORLD_SIZE nor a process group say its rank, so it would train alone as rank 0 of 1: "
-        "pass rank= and world_size= (mp.spawn passes the rank as the first argument), or make the process group "
-        "first"] * 2
-    assert not (tmp_path / "0").exists()  # refused before it claimed a run dir
+    DDPTrainer(config=...) as rank 0 of 1 each: two runs alone without a word, or one turned away from the run
+    dir the other held "by another run" (a migrating user). A Pool worker of a sweep looks the same and is
+    legitimately alone (a review): each is warned, and a sibling holding the run dir is named as one."""
+    hint = ("if it is one of mp.spawn's ranks, pass rank= and world_size= (mp.spawn passes the rank first), or make "
+            "the process group before the trainer")
+    assert spawn(_no_rank_given, 2, str(tmp_path), False, timeout=120) == ["built"] * 2
+    for rank in (0, 1):
+        assert (f"WARNING: this process was started by multiprocessing with MASTER_ADDR or MASTER_PORT set, and "
+                f"nothing names its rank: it trains alone, as rank 0 of 1; {hint}") in \
+            (tmp_path / str(rank) / "logs" / "rank_0.log").read_text()
+    (tmp_path / "one").mkdir()
+    built, refused = sorted(spawn(_no_rank_given, 2, str(tmp_path / "one"), True, timeout=120))
+    assert built == "built" and refused.endswith(f": a process started beside this one, each as rank 0 of 1: "
+                                                 f"{hint}"), refused
 
 
 @pytest.mark.multi

@@ -840,6 +840,10 @@ def test_a_run_whose_process_is_gone_without_a_record_is_not_still_setting_up(tm
     for note, status in ((f"pid {pid} on {host} since 2026-11-27 10:00:00\n", "ended before its first record"),
                          (f"pid {os.getpid()} on {host} since 2026-11-27 10:00:00\n", "no records yet"),
                          (f"pid {pid} on another-{host} since 2026-11-27 10:00:00\n", "no records yet"),
+                         # the same host name in another PID namespace (a container): its pids are not ours
+                         (f"pid {pid} on {host} since 2026-11-27 10:00:00 [pid:[1]]\n", "no records yet"),
+                         (f"pid {pid} on {host} since 2026-11-27 10:00:00 [{tl.pid_namespace()}]\n",
+                          "ended before its first record"),
                          ("", "no records yet")):
         (d / ".lock").write_text(note)
         with pytest.raises(tl.NoRecords) as caught:
