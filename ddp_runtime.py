@@ -639,8 +639,9 @@ def name_hint(name: str, known) -> str:
     ours = [k for k in same if k in known]
     if ours:
         return f" (this kit's name for it: {dashes}{ours[0]})"
-    if bare.replace("-", "_") in WORLD_SIZE_KEYS:
-        return " (the number of processes is the launcher's: torchrun --nproc_per_node, --nproc, srun -n)"
+    if bare.replace("-", "_") in WORLD_SIZE_KEYS and bare not in known:
+        nproc = ", --nproc" if "nproc" in known else ""
+        return f" (the number of processes is the launcher's: torchrun --nproc_per_node{nproc}, srun -n)"
     close = difflib.get_close_matches(bare, known, n=1, cutoff=0.8)
     return f" (did you mean {dashes}{close[0]}?)" if close else ""
 

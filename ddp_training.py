@@ -899,6 +899,11 @@ def init_weights_in(ckpt, weights_key: str, extra: dict, must_match: dict, own_k
         # names begin so (`own_keys`: a wrapper whose one child is named `module`, as an EMA wrapper's is)
         if weights and all(k.startswith(prefix) for k in weights) and not set(weights) <= own_keys:
             weights = {k[len(prefix):]: v for k, v in weights.items()}
+    # one leading name on every key, as a LightningModule's attribute (`model.`): dropped where the rest is
+    # exactly this model's names
+    heads = {k.partition(".")[0] for k in weights}
+    if own_keys and len(heads) == 1 and {k.partition(".")[2] for k in weights} == own_keys:
+        weights = {k.partition(".")[2]: v for k, v in weights.items()}
     step = (ckpt.get("counters") or {}).get("global_step") if state else ckpt.get("global_step")
     return weights, (f" (step {step} of the run that saved it)" if isinstance(step, int) else "")
 
@@ -2266,8 +2271,11 @@ class DDPTrainer:
     def _init_weights(self, path: str) -> None:
         """A fresh run's weights from `path` (fine-tuning). Every rank reads the file, so every rank must find the
         same weights there; a file that does not fit the model is refused on every rank, naming what differs."""
+        # rank 0 alone sets the earlier run's files aside, in its own checkpoint dir (a node's local disk)
+        aside = rt.broadcast_object(self._init_from_set_aside(path) if self.env.is_main else None)
         try:
-            self._check_init_from_stays(path)
+            if aside:
+                raise ValueError(aside)
             weights, note = init_weights_in(rt.load_checkpoint(path), self.weights_key, self.checkpoint_extra,
                                             self.resume_must_match, frozenset(self.raw_model.state_dict()))
             check_fit(weights, self.raw_model.state_dict())
@@ -2285,14 +2293,16 @@ class DDPTrainer:
                              f"file itself, so on several nodes it must be the same file on each")
         self.log.info("weights initialised from %s%s", path, note)
 
-    def _check_init_from_stays(self, path: str) -> None:
-        """An earlier run's file in this run's checkpoint dir is moved aside at the start and replaced by this
-        run's own of that name: the same command run again would start from this run's weights, not those."""
+    def _init_from_set_aside(self, path: str) -> Optional[str]:
+        """Why `path` cannot be init_from, or None: an earlier run's file in this run's checkpoint dir is moved
+        aside at the start and replaced by this run's own of that name, so the same command run again would
+        start from this run's weights, not those."""
         if Path(path).resolve() in {p.resolve() for p in itertools.chain(*self._files_to_set_aside())}:
-            raise ValueError(f"it is an earlier run's file in this run's checkpoint_dir {self.ckpt_dir}, which a "
-                             f"fresh start moves into a previous_states.* subdir and then writes its own files "
-                             f"of the same names: the same command run again would start from those. Copy it out "
-                             f"of {self.ckpt_dir} first, or give this run its own run_name or checkpoint_dir")
+            return (f"it is an earlier run's file in this run's checkpoint_dir {self.ckpt_dir}, which a fresh start "
+                    f"moves into a previous_states.* subdir and then writes its own files of the same names: the "
+                    f"same command run again would start from those. Copy it out of {self.ckpt_dir} first, or "
+                    f"give this run its own run_name or checkpoint_dir")
+        return None
 
     def _resume(self) -> Optional[Path]:
         """Load the state `resume` points at (auto: the newest one that loads). Every rank must

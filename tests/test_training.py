@@ -1177,7 +1177,8 @@ def test_init_from_starts_a_fresh_run_from_another_runs_weights(tmp_path, no_lau
     torch.save({f"module.{k}": v for k, v in state["model"].items()}, tmp_path / "bare.pt")
     # and other trainers' layouts: PyTorch's tutorials' (a migrating user), Lightning's
     torch.save({"epoch": 3, "model_state_dict": state["model"], "optimizer_state_dict": {}}, tmp_path / "tut.pt")
-    torch.save({"global_step": 6, "state_dict": state["model"]}, tmp_path / "lightning.pt")
+    torch.save({"global_step": 6, "state_dict": {f"model.{k}": v for k, v in state["model"].items()}},
+               tmp_path / "lightning.pt")  # a LightningModule holding the network as self.model
     for source in (tmp_path / "a" / "ckpt" / "model_state_step_6.pt", tmp_path / "bare.pt", tmp_path / "tut.pt",
                    tmp_path / "lightning.pt"):
         t = DDPTrainer(config={**tuned, **dirs(tmp_path / "c"), "resume": "none", "init_from": str(source)})
@@ -2573,19 +2574,20 @@ def test_default_run_dir_layout(tmp_path, no_launch_env, monkeypatch):
     assert link.is_symlink() and link.resolve() == (tmp_path / "elsewhere").resolve()
 
 
-def test_progress_bar_only_on_a_terminal(tmp_path):
-    import pty
-    args = [sys.executable, str(REPO / "ddp_training.py"), "--cpu", "--test", "--max_steps", "12",
-            "--log_dir", "logs", "--checkpoint_dir", "ckpt", "--resume", "none"]
-    plain = run(args, cwd=tmp_path, timeout=120)
-    assert plain.returncode == 0 and "step/s" not in plain.stdout and "it/s" not in plain.stdout
-    assert "step 10/12" in plain.stdout  # plain periodic lines instead
+def run_on_a_terminal(args, cwd, columns) -> tuple:
+    """(exit status, what it showed) of a command whose stdin, stdout and stderr are a pseudo-terminal `columns`
+    wide (None: a pty nobody sized, 0 x 0)."""
     import fcntl
+    import pty
     import struct
     import termios
-    controller, worker = pty.openpty()
-    fcntl.ioctl(worker, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # a 160-column terminal
-    proc = subprocess.Popen(args, cwd=tmp_path, env=clean_env(), stdin=worker, stdout=worker, stderr=worker,
+    try:
+        controller, worker = pty.openpty()
+    except OSError as exc:
+        pytest.skip(f"no pseudo-terminal here: {exc}")
+    if columns is not None:
+        fcntl.ioctl(worker, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    proc = subprocess.Popen(args, cwd=cwd, env=clean_env(), stdin=worker, stdout=worker, stderr=worker,
                             start_new_session=True)
     os.close(worker)
     chunks, deadline = [], time.time() + 120
@@ -2595,7 +2597,7 @@ def test_progress_bar_only_on_a_terminal(tmp_path):
                 continue
             try:
                 data = os.read(controller, 4096)
-            except OSError:
+            except OSError:  # EIO: the child's side has closed
                 break
             if not data:
                 break
@@ -2605,8 +2607,17 @@ def test_progress_bar_only_on_a_terminal(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         os.close(controller)
-    shown = b"".join(chunks).decode(errors="replace")
-    assert proc.returncode == 0 and "12/12" in shown and "loss=" in shown and "samples_s=" in shown
+    return proc.returncode, b"".join(chunks).decode(errors="replace")
+
+
+def test_progress_bar_only_on_a_terminal(tmp_path):
+    args = [sys.executable, str(REPO / "ddp_training.py"), "--cpu", "--test", "--max_steps", "12",
+            "--log_dir", "logs", "--checkpoint_dir", "ckpt", "--resume", "none"]
+    plain = run(args, cwd=tmp_path, timeout=120)
+    assert plain.returncode == 0 and "step/s" not in plain.stdout and "it/s" not in plain.stdout
+    assert "step 10/12" in plain.stdout  # plain periodic lines instead
+    code, shown = run_on_a_terminal(args, tmp_path, columns=160)
+    assert code == 0 and "12/12" in shown and "loss=" in shown and "samples_s=" in shown
     assert "step 10/12" not in shown  # the bar replaces the periodic console lines...
     assert "step 10/12" in (tmp_path / "logs" / "rank_0.log").read_text()  # ...which still reach the log
     assert "validation at step 12" in shown and "loss floor" in shown and "finished (completed)" in shown
@@ -2680,34 +2691,11 @@ def test_the_progress_bar_shows_the_numbers_of_the_step_it_counts(tmp_path, no_l
 def test_a_terminal_of_no_width_gets_the_periodic_lines(tmp_path):
     """A pty whose size nobody set (some containers and CI runners) is 0 columns wide: the bar drew nothing
     there, and it had replaced the periodic step lines, so a run showed no progress at all."""
-    import pty
-    main, child = pty.openpty()  # 0 x 0 until someone sets it
     cmd = [sys.executable, REPO / "ddp_training.py", "--cpu", "--max_steps", "4", "--log_interval", "2",
            "--hidden_size", "16", "--num_layers", "1", "--dataset_size", "256", "--log_dir", "logs",
            "--checkpoint_dir", "ckpt"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=child, stderr=child,
-                            env=clean_env())
-    os.close(child)
-    out = b""
-    try:
-        while True:
-            ready, _, _ = select.select([main], [], [], 120)
-            if not ready:
-                break
-            try:
-                chunk = os.read(main, 65536)
-            except OSError:  # EIO: the child's side has closed
-                break
-            if not chunk:
-                break
-            out += chunk
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=60)
-        os.close(main)
-    text = out.decode(errors="replace")
-    assert proc.returncode == 0, text
+    code, text = run_on_a_terminal(cmd, tmp_path, columns=None)
+    assert code == 0, text
     assert re.search(r"step 2/4 loss [\d.]+", text) and re.search(r"step 4/4 loss [\d.]+", text), text
 
 

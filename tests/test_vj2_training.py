@@ -296,6 +296,9 @@ def test_a_config_file_is_read_like_the_flags_and_a_run_records_one(tmp_path, ca
      "--processed_data_dir must be a path, got an empty string"),
     (["--processed_data_dir", "t", "--validation_data_dir", "v", "--save_every", "3"],
      "unrecognized arguments: --save_every"),
+    # the LM script's --nproc is not this one's: the hint names only what this script and torchrun take
+    (["--processed_data_dir", "t", "--validation_data_dir", "v", "--nproc", "2"],
+     "--nproc (the number of processes is the launcher's: torchrun --nproc_per_node, srun -n)"),
     (["--processed_data_dir", "t", "--validation_data_dir", "v", "--run_name", "../up"],
      "--run_name must be names of letters, digits"),
     (["--processed_data_dir", "t", "--validation_data_dir", "v", "--keep_checkpoints", "-1"],
