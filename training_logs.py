@@ -19,8 +19,8 @@ unless its rank_0.log holds an error: "failed in set-up" (no metrics.jsonl) or "
 record"; or "stopped in set-up" when a Ctrl-C ended its launch before its first step; "not trained" for a
 trainer closed without training; "ended before its first record" when the process its run-dir lock names
 no longer runs on this host and nothing else says why (killed, or a second stop signal). A run with records
-and no summary is "incomplete" (running), "failed" where a rank's log says how, or "ended unfinished" where
-that process is gone.
+and no summary is "incomplete" (running, or its process elsewhere: another host or PID namespace), "failed"
+where a rank's log says how, or "ended unfinished" where that process is gone.
 
 Plot layout: the default loss-curve figure has one row per run (train loss, val loss, learning rate on a
 second y axis); --compare puts every run in one axes instead. A --metrics grid has one subplot per metric
