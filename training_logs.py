@@ -6,7 +6,8 @@ A run directory is whatever `log_dir` a trainer wrote to: `metrics.jsonl` (one J
 Only metrics.jsonl is required.
 
     python training_logs.py summary runs/a runs/b --format table
-    python training_logs.py summary --all runs --format json
+    python training_logs.py summary --all --format json        # every run under runs/ (or --all ROOT)
+    python training_logs.py plot runs/a                        # runs/a/loss_curves.png
     python training_logs.py plot runs/a runs/b --compare --smooth 5 --output curves.png
     python training_logs.py plot runs/a --metrics loss,grad_norm,lr --x time --output grid.png
 
@@ -459,7 +460,7 @@ def load_runs(dirs=(), root=None) -> list:
             named.append((d, str(rel) if rel.parts else Path(root).resolve().name))
     named += [(run_dir_of(d), run_dir_of(d).resolve().name) for d in dirs]
     if not named:
-        raise LogError("no run directories given (name some, or use --all ROOT)")
+        raise LogError("no run directories given (name some, or use --all [ROOT], ROOT runs by default)")
     names = [n for _, n in named]
     runs = []
     for d, n in named:
@@ -895,7 +896,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     def add_runs(sp):
         sp.add_argument("runs", nargs="*", metavar="RUN_DIR", help="run directories (each holds metrics.jsonl)")
-        sp.add_argument("--all", metavar="ROOT", help="every directory under ROOT that holds metrics.jsonl")
+        sp.add_argument("--all", metavar="ROOT", nargs="?", const="runs",
+                        help="every directory under ROOT (runs, the trainers' default, when not given) that holds "
+                             "metrics.jsonl")
 
     s = sub.add_parser("summary", help="one line per run: status, steps, sessions, val/test loss, time over all "
                                        "sessions, samples/s, world size, memory")
@@ -905,7 +908,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plot", help="loss curves or a grid of logged metrics, to a PNG")
     add_runs(pl)
-    pl.add_argument("--output", "-o", required=True, metavar="FILE.png")
+    pl.add_argument("--output", "-o", metavar="FILE.png",
+                    help="default: loss_curves.png (metrics.png with --metrics) in the one run dir, or in --all's ROOT")
     what = pl.add_mutually_exclusive_group()
     what.add_argument("--loss-curves", action="store_true",
                       help="train/val loss and learning rate vs x, one row per run (default)")
@@ -915,6 +919,17 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--x", choices=("step", "time", "epoch"), default="step", help="x axis")
     pl.add_argument("--log-y", action="store_true", help="log scale for losses/metrics")
     return p
+
+
+def default_output(args) -> str:
+    """Where a plot goes without --output: into the one run dir, or --all's ROOT (never elsewhere)."""
+    name = "metrics.png" if args.metrics is not None else "loss_curves.png"
+    if args.all is None and len(args.runs) == 1:
+        return str(run_dir_of(args.runs[0]) / name)
+    if args.all is not None and not args.runs:
+        return str(Path(args.all) / name)
+    raise LogError("--output is needed for several runs named one by one (the default goes into the one run dir, "
+                   "or into --all's ROOT)")
 
 
 def check_format(output) -> None:
@@ -935,6 +950,7 @@ def main(argv=None) -> int:
             return 0
         if args.smooth < 1:
             raise LogError("--smooth must be at least 1")
+        args.output = args.output or default_output(args)
         runs = with_records(runs)
         if not Path(args.output).suffix:  # what matplotlib would write: name.png
             args.output += ".png"

@@ -163,6 +163,26 @@ def test_plot_writes_a_png(runs, tmp_path, name):
     assert width >= 400 and height >= 300 and size > 10_000
 
 
+def test_the_defaults_users_of_other_log_tools_reach_for(runs, tmp_path, capsys, monkeypatch):
+    """`summary --all` with no root, `plot` with no --output (reference 004's habits): --all reads runs/, the
+    trainers' default root, and a plot goes into the run dir it draws (or --all's root), never elsewhere."""
+    (tmp_path / "runs").mkdir()
+    for name in LRS:
+        shutil.copytree(runs / name, tmp_path / "runs" / name, ignore=shutil.ignore_patterns("ckpt"))
+    monkeypatch.chdir(tmp_path)
+    assert tl.main(["summary", "--all"]) == 0
+    assert sorted(line.split(":")[0] for line in capsys.readouterr().out.splitlines()) == sorted(LRS)
+    one = tmp_path / "runs" / "lr_1e-2"
+    assert tl.main(["plot", str(one)]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {one / 'loss_curves.png'}"
+    assert png_size(one / "loss_curves.png")[2] > 10_000
+    assert tl.main(["plot", "--all", "--metrics", "loss,lr"]) == 0
+    assert png_size(tmp_path / "runs" / "metrics.png")[2] > 10_000
+    assert tl.main(["plot", *(str(tmp_path / "runs" / n) for n in LRS)]) == 2
+    assert "--output is needed for several runs named one by one" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]  # nothing written beside them
+
+
 def test_a_plot_without_a_suffix_is_written_where_it_says(runs, tmp_path, capsys):
     assert tl.main(["plot", str(runs / "lr_1e-2"), "--output", str(tmp_path / "curves")]) == 0
     assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'curves.png'}"
