@@ -419,23 +419,28 @@ def is_zombie(pid: int) -> bool:
 def first_error(log: Path, lines: Optional[list] = None) -> Optional[str]:
     """The first ERROR line of the newest launch in a rank log (its `lines`, where the caller read them)
     without its time and rank prefix, and the exception of the traceback that follows it, if one does
-    ("trainer set-up failed" is followed by its traceback). A relaunch still setting up has none, whatever an
-    earlier launch logged."""
+    ("trainer set-up failed" is followed by its traceback); the trainer's "training failed after step N"
+    where it logged one, over a step's own error before it (the conclusion says where, and adds why). A
+    relaunch still setting up has none, whatever an earlier launch logged."""
     lines = launches(log)[-1] if lines is None else lines
-    for i, line in enumerate(lines):
-        if "] ERROR: " in line:
-            # the logger's exception() puts "Traceback ..." on the message's own line
-            message = line.split("] ERROR: ", 1)[1].removesuffix("Traceback (most recent call last):")
-            message = message.strip().removesuffix(":")
-            after = []
-            for later in lines[i + 1:]:
-                if LOG_LINE.match(later):
-                    break
-                after.append(later)
-            raised = [a.strip() for a in after if a.strip() and not a.startswith((" ", "Traceback"))]
-            # a failure's line already quotes its exception ("training failed after step 4: StepFailed: ...")
-            return f"{message}: {raised[-1]}" if raised and not message.endswith(raised[-1]) else message
-    return None
+    errors = [i for i, line in enumerate(lines) if "] ERROR: " in line]
+    errors = [i for i in errors if "] ERROR: training failed after step " in lines[i]] or errors
+    if not errors:
+        return None
+    i = errors[0]
+    # the logger's exception() puts "Traceback ..." on the message's own line
+    message = lines[i].split("] ERROR: ", 1)[1].removesuffix("Traceback (most recent call last):")
+    message = message.strip().removesuffix(":")
+    after = []
+    for later in lines[i + 1:]:
+        if LOG_LINE.match(later):
+            break
+        after.append(later)
+    raised = [a.strip() for a in after if a.strip() and not a.startswith((" ", "Traceback"))]
+    # a failure's line already quotes its exception ("training failed after step 4: StepFailed: ..."), which the
+    # traceback names with its module ("ddp_training.StepFailed: ...")
+    unqualified = re.sub(r"^[\w.]+\.(\w+: )", r"\1", raised[-1]) if raised else ""
+    return f"{message}: {raised[-1]}" if raised and not message.endswith(unqualified) else message
 
 
 def find_runs(root) -> list:

@@ -772,8 +772,10 @@ def test_a_run_that_failed_in_its_first_step_says_so_and_why(tmp_path, capsys, n
     assert row["status"] == "failed before its first record"
     assert tl.main(["plot", str(run), "--output", str(tmp_path / "x.png")]) == 2
     err = capsys.readouterr().err
-    assert f"{run}: failed before its first record: step 1 raised on this rank: TypeError: loss_fn must return " \
-           f"(loss_sum, count)" in err, err
+    # the trainer's conclusion (where, and its hint), not the step's own error line before it
+    assert f"{run}: failed before its first record: training failed after step 0: StepFailed: step 1 failed on " \
+           f"rank 0: TypeError in forward: loss_fn must return (loss_sum, count)" in err, err
+    assert "ddp_training.StepFailed" not in err  # the traceback's repeat of it
     # a run whose first steps are only slow has no error: no records yet
     (run / "rank_0.log").write_text("")
     with pytest.raises(tl.NoRecords, match="holds no record of a step yet") as exc:
