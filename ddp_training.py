@@ -1356,6 +1356,9 @@ class DDPTrainer:
         self.log.info("rank %d/%d, local_rank %d, device %s, backend %s, timeout %.0fs, %d CPU threads",
                       env.rank, env.world_size, env.local_rank, env.device, env.backend or "none (1 process)",
                       cfg.dist_timeout, torch.get_num_threads())
+        if env.is_main and rt.ctrl_c_ignored() and "TORCHELASTIC_RUN_ID" not in os.environ:  # (torchrun: its own)
+            self.log.info("Ctrl-C is ignored in this process (started in the background by a shell script): "
+                          "kill -TERM %d stops the run with a save", os.getpid())
         if self.maybe_unnamed_rank:
             self.log.warning("this process was started by multiprocessing with MASTER_ADDR or MASTER_PORT set, and "
                              "nothing names its rank: it trains alone, as rank 0 of 1; %s", UNNAMED_RANK)

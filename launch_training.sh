@@ -144,6 +144,11 @@ forward() {
 stop_signal() { case $1 in HUP|QUIT|INT) echo TERM ;; *) echo "$1" ;; esac; }
 # From here on: a stop while the GPUs are counted (torch imports for seconds without nvidia-smi) is kept
 # and answered below, before torchrun starts
+# A script's background job (`launch_training.sh ... &`) starts with Ctrl-C ignored, which no trap undoes: say
+# so, or a Ctrl-C that does nothing looks like a hang
+if [[ "$(trap -p INT)" == "trap -- '' SIGINT" ]]; then
+    say "note: Ctrl-C is ignored here (started in the background by a shell script); kill -TERM $$ stops the run with a save"
+fi
 for sig in TERM INT HUP QUIT USR1; do trap "forward $sig" "$sig"; done
 stop_if_stopped() {
     if [[ -n "$forwarded" ]]; then

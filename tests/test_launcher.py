@@ -4,6 +4,7 @@ arguments) and fake GPU tools on PATH, so they take well under a second; the sig
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -83,6 +84,17 @@ def test_debug_and_restarts_set_what_torchrun_and_its_workers_read(tmp_path, fak
     r = launch(["--cpu", "--debug"], tmp_path, fake_bin, FAKE_TORCHRUN_THEN=show, TORCH_DISTRIBUTED_DEBUG="OFF")
     assert "debug=OFF " in r.stdout, r.stdout  # an exported value wins
 
+
+
+def test_a_launcher_started_with_ctrl_c_ignored_says_how_to_stop_it(tmp_path, fake_bin):
+    """`./launch_training.sh ... &` in a script starts with Ctrl-C ignored, which no trap undoes: a Ctrl-C then
+    did nothing, without a word (a user test)."""
+    cmd = ["bash", LAUNCHER, "--cpu"]
+    r = subprocess.run(cmd, cwd=tmp_path, env=fake_env(fake_bin), capture_output=True, text=True, timeout=30,
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert r.returncode == 0 and re.search(r"note: Ctrl-C is ignored here \(started in the background by a shell "
+                                           r"script\); kill -TERM \d+ stops the run with a save", r.stderr), r.stderr
+    assert "Ctrl-C is ignored" not in launch(["--cpu"], tmp_path, fake_bin).stdout
 
 
 def test_gpu_mode_refuses_more_processes_than_gpus(tmp_path, fake_bin):

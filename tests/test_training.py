@@ -2132,6 +2132,9 @@ def test_a_ctrl_c_the_shell_ignores_stays_ignored(tmp_path):
         out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0 and (tmp_path / "logs" / "COMPLETED").exists(), out[-3000:]
     assert "stop signal received" not in out, out[-3000:]
+    # and it says so, with what stops it (a Ctrl-C that does nothing looks like a hang)
+    assert f"Ctrl-C is ignored in this process (started in the background by a shell script): kill -TERM {proc.pid} " \
+           f"stops the run with a save" in out, out[-3000:]
 
 
 @pytest.mark.multi
