@@ -1061,6 +1061,11 @@ def is_collective_error(exc: BaseException) -> bool:
     return type(exc) is RuntimeError and any(t in text for t in COLLECTIVE_ERROR_TEXT)
 
 
+# The keys only the built-in CausalLM and its data read: with a model of the caller's they change nothing
+BUILTIN_LM_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "seq_len", "dropout", "dataset_size",
+                   "markov_branching", "data", "val_fraction", "test_fraction")
+
+
 def worker_death_note(text: str) -> Optional[str]:
     """What to add to an error in torch's words for a DataLoader worker that exited or was killed (from the
     loader, or from its SIGCHLD handler in whatever ran then); None for any other error."""
@@ -1294,9 +1299,13 @@ class DDPTrainer:
 
         self.data_info: dict = {}
         builtin_data, user_extra = model is None, checkpoint_extra
+        self.builtin_lm = builtin_data
         if builtin_data:
             model, train_dataset, val_dataset, test_dataset, checkpoint_extra, describe = self._take_builtin_lm(
                 train_dataset, val_dataset, test_dataset, checkpoint_extra, describe)
+        elif [k for k in BUILTIN_LM_KEYS if getattr(cfg, k) != getattr(TrainConfig, k)] and env.is_main:
+            self.log.warning("config keys %s are the built-in LM's and its data's: with model= they change nothing",
+                             ", ".join(k for k in BUILTIN_LM_KEYS if getattr(cfg, k) != getattr(TrainConfig, k)))
         if train_dataset is None:
             raise ValueError("a custom model needs train_dataset=")
         self.train_dataset = train_dataset  # the loader may wrap it (per-sample seeds in workers)
@@ -3049,6 +3058,8 @@ class DDPTrainer:
     def _resolved_config(self) -> dict:
         """The config, loadable again with --config, so a run can be repeated exactly."""
         resolved = dataclasses.asdict(self.cfg)
+        if not self.builtin_lm:  # a record of the settings that trained this model, not of the LM's unused ones
+            resolved = {k: v for k, v in resolved.items() if k not in BUILTIN_LM_KEYS}
         # Dirs derived from run_name stay derived, so the file with another --run_name makes another run
         if resolved["checkpoint_dir"] == str(Path(self.cfg.log_dir) / "checkpoints"):
             resolved["checkpoint_dir"] = None

@@ -569,6 +569,24 @@ def test_a_loss_fn_that_reaches_past_the_forward_fails_in_one_process_as_under_d
     evaluating.close()
 
 
+def test_the_lms_settings_with_a_model_of_ones_own_are_named_unused_and_not_recorded(tmp_path, no_launch_env):
+    """hidden_size=... with model= changed nothing without a word, and the run's config.yaml listed the
+    built-in LM's settings for a model that has none of them (a migrating user)."""
+    cfg = {**dirs(tmp_path), "max_steps": 2, "val_interval": 0, "hidden_size": 64, "dataset_size": 128,
+           "learning_rate": 3e-3, "device": "cpu"}
+    DDPTrainer(config=cfg, model=_Classifier(), loss_fn=_forward_loss, train_dataset=_classes(),
+               val_dataset=_classes(16)).train()
+    assert ("WARNING: config keys hidden_size, dataset_size are the built-in LM's and its data's: with model= they "
+            "change nothing") in (tmp_path / "logs" / "rank_0.log").read_text()
+    saved = yaml.safe_load((tmp_path / "logs" / "config.yaml").read_text())
+    assert saved["learning_rate"] == 3e-3 and saved["max_steps"] == 2
+    assert not set(saved) & {"hidden_size", "vocab_size", "dataset_size", "seq_len", "data", "val_fraction"}
+    # the LM's own run records them, and warns of nothing
+    DDPTrainer(config={**cfg, **dirs(tmp_path / "lm")}).train()
+    assert yaml.safe_load((tmp_path / "lm" / "logs" / "config.yaml").read_text())["hidden_size"] == 64
+    assert "are the built-in LM's" not in (tmp_path / "lm" / "logs" / "rank_0.log").read_text()
+
+
 def _frozen():
     model = _Classifier()
     model.requires_grad_(False)
