@@ -2731,3 +2731,64 @@ def test_the_torch_distributed_launch_of_older_scripts_runs_the_lm(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:]
     summary = metrics(tmp_path / "logs", "summary")[-1]
     assert (summary["status"], summary["steps"], summary["world_size"]) == ("completed", 3, 2)
+
+
+# -- found by mutation testing of 27 Nov ------------------------------------------------------------
+
+def test_run_script_and_an_nproc_rank_say_their_main_ends_the_process(monkeypatch):
+    """Both set the flag that keeps their stop handlers to the exit (found by mutation testing)."""
+    import ddp_training
+    monkeypatch.setattr(rt, "_main_ends_the_process", False)
+    exits, seen = [], []
+    monkeypatch.setattr(rt, "exit_process", exits.append)
+    rt.run_script(lambda: seen.append(rt.main_ends_the_process()) or 3)
+    monkeypatch.setattr(rt, "_main_ends_the_process", False)
+    monkeypatch.setattr(ddp_training, "_train_and_exit_code",
+                        lambda *a, **k: seen.append(rt.main_ends_the_process()) or 0)
+    ddp_training._spawned_worker(0, 1, {})
+    assert seen == [True, True] and exits == [3, 0]
+
+
+def test_nproc_called_in_process_gives_back_the_callers_handlers(tmp_path, monkeypatch):
+    import ddp_training
+    monkeypatch.setattr(rt, "_main_ends_the_process", False)  # a notebook, a test: the caller goes on
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    assert ddp_training.spawn_local(2, {"out": str(tmp_path)}, worker=_says_its_port) == 0
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+def test_init_from_refuses_weights_under_two_leading_names(tmp_path, no_launch_env):
+    cfg = {**QUICK, **dirs(tmp_path), "max_steps": 2}
+    own = CausalLM(64, 32, 2, 2, 32).state_dict()  # QUICK's model
+    mixed = {**{f"model.{k}": v for k, v in own.items()}, **{f"ema.{k}": torch.zeros_like(v) for k, v in own.items()}}
+    torch.save({"state_dict": mixed}, tmp_path / "two.pt")
+    with pytest.raises(ValueError, match="do not fit this model"):
+        DDPTrainer(config={**cfg, "init_from": str(tmp_path / "two.pt")})
+
+
+def test_a_hyphenated_flag_is_told_its_underscored_spelling(capsys):
+    with pytest.raises(SystemExit):
+        build_arg_parser().parse_args(["--warmup-steps", "5"])
+    assert "--warmup-steps (did you mean --warmup_steps?)" in capsys.readouterr().err
+
+
+def test_the_trainers_lock_note_names_its_pid_namespace(tmp_path, no_launch_env):
+    trainer = DDPTrainer(config={**QUICK, **dirs(tmp_path), "max_steps": 1})
+    try:
+        import training_logs as tl
+        note = (tmp_path / "logs" / ".lock").read_text().strip()
+        assert note.startswith(f"pid {os.getpid()} on ") and note.endswith(f" [{tl.pid_namespace()}]"), note
+    finally:
+        trainer.close()
+
+
+def _built_under_a_launcher(rank, world_size, root):
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")  # as torchrun --nproc_per_node 1 sets them
+    DDPTrainer(config={**QUICK, **dirs(Path(root)), "max_steps": 1}).close()
+    return "started by multiprocessing" in (Path(root) / "logs" / "rank_0.log").read_text()
+
+
+@pytest.mark.multi
+def test_a_process_a_launcher_names_is_not_warned_as_an_unnamed_rank(tmp_path):
+    assert spawn(_built_under_a_launcher, 1, str(tmp_path), timeout=120) == [False]
+

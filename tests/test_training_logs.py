@@ -1018,3 +1018,22 @@ def test_a_metric_in_train_and_val_records_is_read_from_the_train_records_by_def
     assert tl.available_metrics([run])["lr"] == "train"
     xs, ys = tl.series(run, "lr")
     assert xs == list(range(1, 7)) and ys == [0.1 * s for s in range(1, 7)]
+
+
+def test_a_refused_relaunch_of_a_run_whose_process_is_gone_stays_incomplete(tmp_path):
+    d = write_run(tmp_path / "r", train_recs(range(1, 6), spe=9))
+    (d / "rank_0.log").write_text("2026-11-27 10:00:00 [RANK 0] INFO: rank 0/1, local_rank 0, device cpu\n"
+                                  "2026-11-27 10:05:00 [RANK 0] ERROR: trainer set-up failed: ValueError: no\n")
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (d / ".lock").write_text(f"pid {int(gone.stdout)} on {socket.gethostname()} since 2026-11-27 10:05:00\n")
+    row = tl.summarize(tl.load_run(d))
+    assert (row["status"], row["error"]) == ("incomplete", "its newest launch failed in set-up: trainer set-up "
+                                                           "failed: ValueError: no")
+
+
+def test_first_error_is_the_first_error_line_where_none_concludes_training(tmp_path):
+    log = tmp_path / "rank_0.log"
+    log.write_text("2026-11-27 10:00:00 [RANK 0] INFO: rank 0/1, local_rank 0, device cpu\n"
+                   "2026-11-27 10:00:01 [RANK 0] ERROR: set-up failed: ValueError: first\n"
+                   "2026-11-27 10:00:02 [RANK 0] ERROR: closing: OSError: second\n")
+    assert tl.first_error(log) == "set-up failed: ValueError: first"
