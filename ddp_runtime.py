@@ -1003,7 +1003,8 @@ class RunDirLock:
             return None
         os.ftruncate(fd, 0)
         # the PID namespace: a pid means this process only to readers in the same one (training_logs)
-        stamp = f"{self.this_process()}since {time.strftime('%Y-%m-%d %H:%M:%S')}{note} [{pid_namespace()}]"
+        namespace = f" [{pid_namespace()}]" if pid_namespace() else ""
+        stamp = f"{self.this_process()}since {time.strftime('%Y-%m-%d %H:%M:%S')}{note}{namespace}"
         os.pwrite(fd, f"{stamp}\n".encode(), 0)
         self._fds.append(fd)
         _HELD_LOCK_FDS.add(fd)
@@ -1016,7 +1017,6 @@ class RunDirLock:
 
     def release(self) -> None:
         self._unlock(self._fds, self._pid)
-
 
     @staticmethod
     def _unlock(fds: list, pid: int) -> None:
@@ -1047,6 +1047,7 @@ def started_by_my_parent(holder: str) -> bool:
         return psutil.Process(int(m.group(1))).ppid() == os.getppid()
     except psutil.Error:
         return False
+
 
 def _close_held_locks_in_child() -> None:
     for fd in _HELD_LOCK_FDS:

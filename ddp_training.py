@@ -1303,9 +1303,11 @@ class DDPTrainer:
         if builtin_data:
             model, train_dataset, val_dataset, test_dataset, checkpoint_extra, describe = self._take_builtin_lm(
                 train_dataset, val_dataset, test_dataset, checkpoint_extra, describe)
-        elif [k for k in BUILTIN_LM_KEYS if getattr(cfg, k) != getattr(TrainConfig, k)] and env.is_main:
-            self.log.warning("config keys %s are the built-in LM's and its data's: with model= they change nothing",
-                             ", ".join(k for k in BUILTIN_LM_KEYS if getattr(cfg, k) != getattr(TrainConfig, k)))
+        elif env.is_main:
+            unused = [k for k in BUILTIN_LM_KEYS if getattr(cfg, k) != getattr(TrainConfig, k)]
+            if unused:
+                self.log.warning("config keys %s are the built-in LM's and its data's: with model= they change "
+                                 "nothing", ", ".join(unused))
         if train_dataset is None:
             raise ValueError("a custom model needs train_dataset=")
         self.train_dataset = train_dataset  # the loader may wrap it (per-sample seeds in workers)

@@ -378,7 +378,8 @@ def launches(log: Path) -> list:
 def lock_holder_gone(run_dir: Path) -> Optional[str]:
     """'pid N on HOST' where the run dir's lock note (the trainer's rank 0 writes it: "pid N on HOST since
     ... [pid:[NS]]") names a process that no longer runs on this host; None where it runs, or lives elsewhere
-    (another host, or another PID namespace on this one: a container), or no note says. The note is read, never locked: a lock taken here could turn a starting run away."""
+    (another host, or another PID namespace on this one: a container), or no note says. The note is read,
+    never locked: a lock taken here could turn a starting run away."""
     try:
         note = (run_dir / ".lock").read_text()
     except OSError:
