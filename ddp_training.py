@@ -861,10 +861,11 @@ OTHER_WEIGHTS_KEYS = ("model_state_dict", "state_dict")
 
 def init_weights_in(ckpt, weights_key: str, extra: dict, must_match: dict, own_keys: frozenset = frozenset()) -> tuple:
     """(the weights, a note of where they come from) in a file given as init_from: this kit's weights file (its
-    `weights_key`), a resumable state (its model), a bare state dict, or another trainer's (OTHER_WEIGHTS_KEYS). The model's settings that the file
-    records must be this model's, dropout aside (a count of heads changes what the same shapes compute, an
-    action layout what the same inputs mean): a weights file's dict and list entries among the trainer's
-    checkpoint_extra (model_config; predictor_config, data_geometry), a state's must_match."""
+    `weights_key`), a resumable state (its model), a bare state dict, or another trainer's (OTHER_WEIGHTS_KEYS).
+    The model's settings that the file records must be this model's, dropout aside (a count of heads changes
+    what the same shapes compute, an action layout what the same inputs mean): a weights file's dict and list
+    entries among the trainer's checkpoint_extra (model_config; predictor_config, data_geometry), a state's
+    must_match."""
     if not isinstance(ckpt, dict):
         raise ValueError(f"holds a {type(ckpt).__name__}; expected a checkpoint (a dict)")
     state = {"model", "optimizer", "counters"} <= set(ckpt) and isinstance(ckpt["model"], dict)
