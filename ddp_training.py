@@ -598,15 +598,40 @@ def build_lm_data(cfg: TrainConfig) -> LMData:
 OPTIMIZER_KERNELS = ("fused", "foreach")
 
 
-def build_optimizer(model: nn.Module, lr: float, weight_decay: float, device: torch.device):
-    """AdamW; parameters of 2+ dimensions decay (matrices, embeddings), 1-D ones do not (biases, norm gains,
-    any per-channel scale)."""
+def parameter_groups(model: nn.Module, lr: float, weight_decay: float) -> list:
+    """The trainable parameters in two groups: those of 2+ dimensions decay (matrices, embeddings), 1-D ones do
+    not (biases, norm gains, any per-channel scale)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), **fast)
+    return [{"params": [p for p in params if p.dim() >= 2], "lr": lr, "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "lr": lr, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, lr: float, weight_decay: float, device: torch.device, make=None):
+    """AdamW over parameter_groups, or what `make(groups)` returns (DDPTrainer's optimizer=), checked."""
+    groups = parameter_groups(model, lr, weight_decay)
+    if make is None:
+        fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), **fast)
+    optimizer = make(groups)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer= must return a torch.optim.Optimizer of the parameter groups it is given, got "
+                        f"{type(optimizer).__name__}")
+    if type(optimizer).__name__ == "ZeroRedundancyOptimizer":  # its state_dict() needs a consolidation first
+        raise ValueError("optimizer= returned a ZeroRedundancyOptimizer, which shards its state over the ranks: "
+                         "this trainer saves rank 0's whole optimizer state in every resumable state; pass a "
+                         "plain optimizer")
+    mine = {id(p) for g in groups for p in g["params"]}
+    theirs = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    if theirs != mine:
+        raise ValueError(f"optimizer= must optimize exactly the model's {len(mine)} trainable parameters (the groups "
+                         f"it is given); its optimizer holds {len(theirs)}, {len(theirs - mine)} of them not among "
+                         f"those, and leaves out {len(mine - theirs)}")
+    return optimizer
+
+
+def optimizer_name(optimizer) -> str:
+    """The optimizer's class as a state records it: a resume into another optimizer is refused."""
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
 
 
 def build_scheduler(optimizer, cfg: "TrainConfig", total_steps: int):
@@ -1214,9 +1239,11 @@ class DDPTrainer:
                  loss_fn: Optional[LossFn] = None, collate_fn=None,
                  checkpoint_extra: Optional[dict] = None, weights_key: str = "model",
                  count_unit: str = "tokens", describe: Optional[str] = None, data_fingerprint: Optional[str] = None,
-                 resume_must_match: Optional[dict] = None, run_config: Optional[dict] = None):
+                 resume_must_match: Optional[dict] = None, run_config: Optional[dict] = None,
+                 optimizer: Optional[Callable[[list], torch.optim.Optimizer]] = None):
         self.cfg = TrainConfig.from_dict(config)
         cfg = self.cfg
+        self.make_optimizer = optimizer  # groups -> an optimizer; None: AdamW (build_optimizer)
         # what the run dir's config.yaml holds: a script with flags of its own passes them (loadable by its
         # --config); by default the resolved TrainConfig
         self.run_config = run_config
@@ -1661,11 +1688,13 @@ class DDPTrainer:
     def _build_optimizer(self) -> None:
         """AdamW, its LR schedule, and the precision (autocast dtype, a GradScaler for fp16)."""
         cfg, env = self.cfg, self.env
-        self.optimizer = build_optimizer(self.raw_model, cfg.learning_rate, cfg.weight_decay, env.device)
+        self.optimizer = build_optimizer(self.raw_model, cfg.learning_rate, cfg.weight_decay, env.device,
+                                         self.make_optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
-        # what a resumed state's optimizer is set back to (read here: a state that fails half-way may change them)
-        self.configured_rates = [(g["initial_lr"], g["weight_decay"]) for g in self.optimizer.param_groups]
-        self.configured_kernels = [{k: g[k] for k in OPTIMIZER_KERNELS} for g in self.optimizer.param_groups]
+        # what a resumed state's optimizer is set back to (read here: a state that fails half-way may change them);
+        # an optimizer of the caller's may have no weight decay, nor these kernel choices
+        self.configured_rates = [(g["initial_lr"], g.get("weight_decay")) for g in self.optimizer.param_groups]
+        self.configured_kernels = [{k: g[k] for k in OPTIMIZER_KERNELS if k in g} for g in self.optimizer.param_groups]
         self.amp_dtype = amp_dtype_for(cfg, env.device)
         self.scaler = torch.amp.GradScaler("cuda") if self.amp_dtype == torch.float16 else None
 
@@ -2215,7 +2244,7 @@ class DDPTrainer:
                 "rng": per_rank_rng, "run": self._run_signature(), "seeded_samples": self._seeded_samples(),
                 "data_fingerprint": self.data_fingerprint, "must_match": self.resume_must_match,
                 "modules": self.module_classes, "run_id": self.run_id,
-                "init_from": self.initialised_from}
+                "init_from": self.initialised_from, "optimizer_class": optimizer_name(self.optimizer)}
 
     def _check_modules(self, saved: Optional[list], path: Path) -> None:
         """A state resumes only into a model of the same modules: weights of the same names and shapes load
@@ -2413,6 +2442,13 @@ class DDPTrainer:
                                     f"--run_name starts fresh; or use the original setting)")
         self._check_data_fingerprint(state.get("data_fingerprint", "absent"), path)
         self._check_modules(state.get("modules"), path)
+        # states before 27 Nov 2026, 13:30 name none: AdamW, the only optimizer then
+        was = state.get("optimizer_class", "torch.optim.adamw.AdamW")
+        if was != optimizer_name(self.optimizer):
+            raise StateMismatch(f"{path} was written with the optimizer {was}, this run has "
+                                f"{optimizer_name(self.optimizer)}; resuming with another optimizer is refused "
+                                f"(its state would not carry over: another run_name with init_from {path} starts a "
+                                f"new run from these weights; or use the original optimizer)")
         saved = state.get("seeded_samples")  # absent from states written before 25 Nov 2026
         if saved is not None and saved != self._seeded_samples() and self.env.is_main:
             self.log.warning("%s was written with %s loader workers, this run has %s: a dataset that draws random "
@@ -2458,12 +2494,14 @@ class DDPTrainer:
         this run's config wins, and the rate of the next step follows this run's schedule (another max_steps
         changes it). Unchanged settings give exactly the saved rate, so a resumed run stays bit-identical."""
         groups = self.optimizer.param_groups
-        saved = [(g["initial_lr"], g["weight_decay"]) for g in groups]
+        saved = [(g["initial_lr"], g.get("weight_decay")) for g in groups]
         self.changed_rates = (saved, configured) if saved != configured else None  # said by train(): see there
         self.scheduler.base_lrs = [lr for lr, _ in configured]
         step = self.scheduler.last_epoch
         for g, (lr, wd), factor in zip(groups, configured, self.scheduler.lr_lambdas):
-            g["initial_lr"], g["weight_decay"], g["lr"] = lr, wd, lr * factor(step)  # LambdaLR's own formula
+            g["initial_lr"], g["lr"] = lr, lr * factor(step)  # LambdaLR's own formula
+            if wd is not None:
+                g["weight_decay"] = wd
         was, self.scheduler._last_lr = self.scheduler._last_lr, [g["lr"] for g in groups]
         if saved == configured and was != self.scheduler._last_lr:  # a finished cosine re-warms when lengthened
             self.log.warning("the learning rate of the next step is %.3g, not the state's %.3g: this run's schedule "

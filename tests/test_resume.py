@@ -934,3 +934,81 @@ def test_vj2_sigterm_then_relaunch_is_bit_identical(tmp_path, vj2_root):
     assert (run_dir / "vjepa2_final.pt").exists(), out[-3000:]
     assert_bit_identical(vj2_final(run_dir), vj2_final(ref))
     assert not (run_dir / "vjepa2_interrupted.pt").exists()
+
+
+# -- an optimizer of the caller's ----------------------------------------------------------------------------
+
+def sgd(groups):
+    return torch.optim.SGD(groups, momentum=0.9, nesterov=True)
+
+
+def test_an_optimizer_of_ones_own_follows_the_schedule_and_resumes_bit_identically(tmp_path, no_launch_env):
+    """optimizer= takes the two parameter groups (decaying and not, learning_rate set) and returns an
+    optimizer: the LR schedule drives its groups as AdamW's, the loss falls, and a stop and resume ends on
+    the unbroken run's weights (its momentum buffers are in the state)."""
+    adamw = DDPTrainer(config=cfg_for(tmp_path / "adamw")).train()
+    unbroken = DDPTrainer(config=cfg_for(tmp_path / "sgd", learning_rate=0.3), optimizer=sgd).train()
+    assert [r["lr"] / 0.3 for r in metrics(tmp_path / "sgd" / "logs", "train")] == pytest.approx(
+        [r["lr"] / 1e-2 for r in metrics(tmp_path / "adamw" / "logs", "train")], rel=1e-9)
+    losses = [r["loss"] for r in metrics(tmp_path / "sgd" / "logs", "train")]
+    assert losses[-1] < 0.7 * losses[0] and unbroken["steps"] == adamw["steps"] == 20
+    state = torch.load(tmp_path / "sgd" / "ckpt" / "model_state_step_20.pt", weights_only=True)
+    assert state["optimizer_class"] == "torch.optim.sgd.SGD"
+    assert all("momentum_buffer" in s for s in state["optimizer"]["state"].values())
+    cfg = cfg_for(tmp_path / "stopped", learning_rate=0.3)
+    assert DDPTrainer(config=cfg, optimizer=sgd, loss_fn=SignalAt(7)).train()["status"] == "interrupted"
+    assert DDPTrainer(config=cfg, optimizer=sgd).train()["resumed_from"].endswith("model_state_step_7.pt")
+    assert_bit_identical(final_weights(tmp_path / "stopped"), final_weights(tmp_path / "sgd"))
+
+
+def test_a_state_resumes_only_into_its_own_optimizer(tmp_path, no_launch_env):
+    """AdamW's moments loaded into SGD would be dropped without a word (and its momentum start from zero)."""
+    DDPTrainer(config=cfg_for(tmp_path, max_steps=5)).train()
+    state = tmp_path / "ckpt" / "model_state_step_5.pt"
+    with pytest.raises(ValueError, match=re.escape(
+            f"{state} was written with the optimizer torch.optim.adamw.AdamW, this run has torch.optim.sgd.SGD; "
+            f"resuming with another optimizer is refused")):
+        DDPTrainer(config=cfg_for(tmp_path, max_steps=8), optimizer=sgd)
+    # a state from before the class was recorded was AdamW's
+    old = torch.load(state, weights_only=True)
+    del old["optimizer_class"]
+    rt.atomic_save(old, state)
+    with pytest.raises(ValueError, match="written with the optimizer torch.optim.adamw.AdamW"):
+        DDPTrainer(config=cfg_for(tmp_path, max_steps=8), optimizer=sgd)
+    assert DDPTrainer(config=cfg_for(tmp_path, max_steps=8)).train()["steps"] == 8
+
+
+def test_an_optimizer_factory_that_returns_the_wrong_thing_is_refused(tmp_path, no_launch_env):
+    lm = CausalLM(64, 32, 2, 2, 32)  # the built-in LM of cfg_for's settings
+    n, matrices = len(list(lm.parameters())), sum(p.dim() >= 2 for p in lm.parameters())
+    cases = [(lambda groups: groups, TypeError, "optimizer= must return a torch.optim.Optimizer of the parameter "
+                                                "groups it is given, got list"),
+             (lambda groups: torch.optim.SGD(groups[:1], lr=0.1), ValueError,
+              f"optimizer= must optimize exactly the model's {n} trainable parameters (the groups it is given); "
+              f"its optimizer holds {matrices}, 0 of them not among those, and leaves out {n - matrices}"),
+             (lambda groups: torch.optim.SGD(lm.parameters(), lr=0.1), ValueError,
+              f"its optimizer holds {n}, {n} of them not among those")]
+    for make, kind, message in cases:
+        with pytest.raises(kind, match=re.escape(message)):
+            DDPTrainer(config=cfg_for(tmp_path, max_steps=2), optimizer=make)
+
+
+def _zero(rank, world_size, root):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        DDPTrainer(config=cfg_for(Path(root), max_steps=2),
+                   optimizer=lambda groups: ZeroRedundancyOptimizer(
+                       [p for g in groups for p in g["params"]], optimizer_class=torch.optim.SGD, lr=0.1))
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.multi
+def test_a_zero_redundancy_optimizer_is_refused_at_set_up(tmp_path):
+    """Its state is sharded over the ranks: the first save point failed, after training up to it."""
+    assert spawn(_zero, 2, str(tmp_path), timeout=120) == [
+        "optimizer= returned a ZeroRedundancyOptimizer, which shards its state over the ranks: this trainer saves "
+        "rank 0's whole optimizer state in every resumable state; pass a plain optimizer"] * 2
