@@ -2422,7 +2422,8 @@ class DDPTrainer:
         missing = {"run", "model", "optimizer", "scheduler", "scaler", "counters", "rng"} - set(state)
         if missing:
             raise rt.CheckpointError(f"not a resumable state (a weights-only file?): it lacks {sorted(missing)}; "
-                                     f"the states are {self.cfg.checkpoint_prefix}_state_step_N.pt")
+                                     f"the states are {self.cfg.checkpoint_prefix}_state_step_N.pt (a weights "
+                                     f"file starts a new run with --init_from)")
         # Another configuration is refused, never taken for damage: falling back past it would start
         # fresh and overwrite the finished run's weights.
         checks = [(key, state["run"][key], value) for key, value in self._run_signature().items()]

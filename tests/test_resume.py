@@ -640,7 +640,7 @@ def test_explicit_resume_path_that_fails_is_an_error(tmp_path, no_launch_env):
         DDPTrainer(config=cfg_for(tmp_path, resume=str(weights)))
     assert str(refused.value) == (f"--resume {weights}: not a resumable state (a weights-only file?): it lacks "
                                   f"['counters', 'optimizer', 'rng', 'run', 'scaler', 'scheduler']; the states are "
-                                  f"model_state_step_N.pt")
+                                  f"model_state_step_N.pt (a weights file starts a new run with --init_from)")
 
 
 def _break_optimizer(state):
