@@ -958,6 +958,33 @@ class BatchError:
     counted: bool = True  # False where another error counts for it (see _split_micro_batches, _PartsCollate)
 
 
+class BufferSnapshot:
+    """A model's buffers as they were at take(), which put_back() restores: a skipped or failed step changes
+    nothing, neither BatchNorm's running statistics nor a model's own (a running mean, an EMA of weights),
+    whether its forward updated them in place or replaced them. One multi-tensor copy a step, no host sync."""
+
+    def __init__(self, model: nn.Module):
+        self.slots = [(m, name) for m in model.modules() for name, b in m._buffers.items() if b is not None]
+        self.tensors: list = []
+        self.copies: list = []
+
+    def take(self) -> "BufferSnapshot":
+        current = [m._buffers.get(name) for m, name in self.slots]
+        unchanged = len(current) == len(self.tensors) and all(a is b for a, b in zip(current, self.tensors))
+        if current and unchanged and all(t is not None for t in current):
+            torch._foreach_copy_(self.copies, current)
+        else:  # the first time, or a forward replaced a buffer (or unset it)
+            self.copies = [None if t is None else t.clone() for t in current]
+        self.tensors = current
+        return self
+
+    def put_back(self) -> None:
+        for (m, name), tensor, copy in zip(self.slots, self.tensors, self.copies):
+            if tensor is not None:
+                tensor.data.copy_(copy)
+            m._buffers[name] = tensor
+
+
 class StepTally:
     """What one rank's micro-steps of an optimizer step add up to (loss sum, sample count, whether a loss was
     non-finite, the loss function's extra metrics), packed with the step's flags for the all-reduce."""
@@ -1584,10 +1611,8 @@ class DDPTrainer:
         # the step's gradient checks walk this list, not the module tree (~0.15 ms a step on a 12-layer model)
         self.named_params = list(self.raw_model.named_parameters())
         self.module_classes = module_structure(self.raw_model)  # what every state records, and a resume compares
-        # BatchNorm's running statistics, which a training forward moves: a skipped or failed step puts them back
-        self.running_stats = [b for m in self.raw_model.modules() if isinstance(m, nn.modules.batchnorm._NormBase)
-                              and m.track_running_stats for b in m.buffers(recurse=False)]
-        self.stats_before_step = [b.clone() for b in self.running_stats]
+        # what a training forward may move besides the weights: a skipped or failed step puts it back
+        self.buffers_before_step = BufferSnapshot(self.raw_model)
         self.set_train_mode = True  # every module to train mode at the next step (evaluation leaves eval mode)
         # dropout, and a dataset's own draws (numpy's, python's) in the main process, differ per rank from here on
         torch.manual_seed(cfg.seed + 1000 * env.rank)
@@ -1724,16 +1749,14 @@ class DDPTrainer:
         # every micro-step (averaging is linear, so the result is the same; it costs extra all-reduces once).
         local = self.env.is_distributed and not last and not (self.static_graph and not self.stepped)
         sync = model.no_sync() if local else contextlib.nullcontext()
-        # a replay only completes the collectives: it must not move BatchNorm's running statistics either (nor
-        # leave a buffer that its forward replaced)
-        kept = [(m, name, b, b.clone()) for m in self.raw_model.modules() for name, b in m._buffers.items()
-                if b is not None] if weight == 0 else []
+        # a replay only completes the collectives: it must not move a buffer either (BatchNorm's running
+        # statistics, a model's own), nor leave one that its forward replaced
+        kept = BufferSnapshot(self.raw_model).take() if weight == 0 else None
         with sync:
             with self._autocast():
                 out = loss_terms(self.loss_fn(model, batch))
-            for m, name, b, value in kept:
-                b.data.copy_(value)
-                m._buffers[name] = b
+            if kept is not None:
+                kept.put_back()
             # Scaling by a constant that is equal on all ranks keeps DDP's average a plain
             # sum; the true 1/global_count is applied once all counts are known.
             scaled = out[0].float() * (weight / self.cfg.batch_size)
@@ -1789,8 +1812,7 @@ class DDPTrainer:
         if self.set_train_mode:  # a walk of every module (~0.2 ms): at the first step and after evaluation only
             self.step_model.train()
             self.set_train_mode = False
-        if self.running_stats:  # one multi-tensor copy, no host sync
-            torch._foreach_copy_(self.stats_before_step, self.running_stats)
+        self.buffers_before_step.take()
         tally, data_errors, fatal, oom = self._accumulate(micro_batches)
         grads, raw_norm = self._gradients(tally)
         g, names, raw_norm_value = self._agree(tally, raw_norm, data_errors, fatal, oom, stop_signal)
@@ -1809,7 +1831,7 @@ class DDPTrainer:
         if g["oom"] or nonfinite or count == 0 or scaler_overflow:
             self.optimizer.zero_grad(set_to_none=True)
             if g["oom"] or nonfinite or count == 0:  # a NaN batch's statistics would poison every evaluation
-                self._restore_running_stats()
+                self._restore_buffers()
             if self.scaler:
                 self.scaler.update()
             # nothing counted on any rank, though every batch loaded (failed loads are max_errors_per_epoch's)
@@ -1935,10 +1957,9 @@ class DDPTrainer:
             self._count_data_errors(int(g["data_errors"]))
         return g, names, raw_norm_value
 
-    def _restore_running_stats(self) -> None:
-        """BatchNorm's running statistics as they were before this step's forwards."""
-        if self.running_stats:
-            torch._foreach_copy_(self.running_stats, self.stats_before_step)
+    def _restore_buffers(self) -> None:
+        """The model's buffers (BatchNorm's running statistics, a model's own) as before this step's forwards."""
+        self.buffers_before_step.put_back()
 
     def _apply_update(self, grads: list, raw_norm_value: float, count: float) -> float:
         """Scale the averaged gradients to the global mean and clip them; step. Returns the norm before
@@ -2096,7 +2117,7 @@ class DDPTrainer:
         """A step failure every rank knows alike: the model as before the step (BatchNorm's statistics too) goes
         to <prefix>_interrupted.pt, then every rank raises the same StepFailed."""
         self.log.error(text)
-        self._restore_running_stats()
+        self._restore_buffers()
         try:  # a failed write reaches every rank alike (the writer's flush): all go on to raise the cause
             self._save_last_good()
         except Exception as exc:
@@ -2875,12 +2896,12 @@ class DDPTrainer:
             raise
         except StepAbandoned as exc:  # the marker first: the others wait for it while the weights are saved
             rt.write_failure_marker(cfg.log_dir, self.env.rank, self.global_step + 1, exc)
-            self._restore_running_stats()  # the failed step's forwards moved them
+            self._restore_buffers()  # the failed step's forwards moved them
             self._save_weights_here()
             raise
         except Exception as exc:
             if is_collective_error(exc):  # a peer died or hung: say which and where, then fail
-                self._restore_running_stats()
+                self._restore_buffers()
                 self._save_weights_here()
                 raise self._explain_failure(exc) from exc
             # this rank's own error past the step's agreement (in optimizer.step, say): the marker names it

@@ -905,17 +905,41 @@ def test_train_runs_once_per_trainer(tmp_path, no_launch_env):
     assert (tmp_path / "ckpt" / "model_final.pt").exists() and len(metrics(tmp_path / "logs", "train")) == 2
 
 
-def test_a_skipped_step_leaves_batchnorms_running_statistics_as_they_were(tmp_path, no_launch_env):
+class _RunningMean(nn.Module):
+    """Centres its input by a running mean of its own (a plain buffer, not BatchNorm's), updated in place or
+    by assignment in the training forward."""
+
+    def __init__(self, replace: bool):
+        super().__init__()
+        self.replace = replace
+        self.register_buffer("mean", torch.zeros(8))
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                new = 0.9 * self.mean + 0.1 * x.mean(0)
+                if self.replace:
+                    self.mean = new
+                else:
+                    self.mean.copy_(new)
+        return self.net(x - self.mean)
+
+
+@pytest.mark.parametrize("kind", ["batchnorm", "own buffer in place", "own buffer replaced"])
+def test_a_skipped_step_leaves_the_models_buffers_as_they_were(tmp_path, no_launch_env, kind):
     """A sample with a NaN feature skipped its step, but the training forward had already moved BatchNorm's
     running statistics to NaN: every later validation was NaN, and the run still said completed (a user's
-    exploratory test)."""
+    exploratory test). A model's own buffer (a running mean, an EMA) was not put back at all: every later
+    step was NaN, and the run ended Diverged with NaN in its 'last good' weights (another user test)."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(64, 8, generator=gen)
     y = x.sum(1, keepdim=True)
     x[5, 3] = float("nan")  # in the first epoch's batches: the sampler shuffles, so some step meets it
     train = torch.utils.data.TensorDataset(x, y)
     val = torch.utils.data.TensorDataset(torch.randn(16, 8, generator=gen), torch.zeros(16, 1))
-    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+    model = (nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1)) if kind == "batchnorm"
+             else _RunningMean(replace=kind.endswith("replaced")))
 
     def mse(model, batch):
         inputs, targets = batch
@@ -926,6 +950,8 @@ def test_a_skipped_step_leaves_batchnorms_running_statistics_as_they_were(tmp_pa
     assert summary["status"] == "completed" and summary["skipped_steps"] == 2  # once in each of the 2 epochs
     assert all(torch.isfinite(b).all() for b in model.buffers())
     assert all(math.isfinite(r["val_loss"]) for r in metrics(tmp_path / "logs", "val"))
+    final = torch.load(tmp_path / "ckpt" / "model_final.pt", weights_only=True)["model"]
+    assert all(torch.isfinite(v).all() for v in final.values())
 
 
 def test_a_negative_count_or_a_validation_that_counts_nothing_stops_with_the_weights_saved(tmp_path, no_launch_env):
