@@ -2110,12 +2110,14 @@ class DDPTrainer:
         text = f"step {self.global_step + 1} failed on " + "; ".join(lines)
         if any("parameters without gradients" in line for line in lines):
             text += (" -- the model's forward left these parameters unused; set find_unused_parameters=true "
-                     "(--find_unused_parameters true) or make every parameter take part in the loss")
+                     "(--find_unused_parameters true) or make every parameter take part in the loss (under "
+                     "torch.utils.checkpoint: use_reentrant=False, whose recomputation autograd sees; the "
+                     "reentrant one leaves its parameters without gradients when its input needs none)")
         self._stop_together(text)
 
     def _stop_together(self, text: str) -> None:
-        """A step failure every rank knows alike: the model as before the step (BatchNorm's statistics too) goes
-        to <prefix>_interrupted.pt, then every rank raises the same StepFailed."""
+        """A step failure every rank knows alike: the model as before the step (its buffers too) goes to
+        <prefix>_interrupted.pt, then every rank raises the same StepFailed."""
         self.log.error(text)
         self._restore_buffers()
         try:  # a failed write reaches every rank alike (the writer's flush): all go on to raise the cause
@@ -2265,7 +2267,36 @@ class DDPTrainer:
                 "rng": per_rank_rng, "run": self._run_signature(), "seeded_samples": self._seeded_samples(),
                 "data_fingerprint": self.data_fingerprint, "must_match": self.resume_must_match,
                 "modules": self.module_classes, "run_id": self.run_id,
-                "init_from": self.initialised_from, "optimizer_class": optimizer_name(self.optimizer)}
+                "init_from": self.initialised_from, "optimizer_class": optimizer_name(self.optimizer),
+                "optimizer_groups": self._optimizer_groups()}
+
+    def _optimizer_groups(self) -> list:
+        """The parameters of each optimizer group, by name: what its saved moments belong to."""
+        names = {id(p): n for n, p in self.named_params}
+        return [[names.get(id(p), "?") for p in g["params"]] for g in self.optimizer.param_groups]
+
+    def _check_optimizer(self, state: dict, path: Path) -> None:
+        """A state resumes only into an optimizer of its class and its groups of parameters: another class
+        would drop its moments, other groups would fail to load (read as damage) or give each parameter
+        another's moments."""
+        carry = f"another run_name with init_from {path} starts a new run from these weights"
+        # states before 27 Nov 2026, 13:30 name none: AdamW over the two groups, the only optimizer then
+        was = state.get("optimizer_class", "torch.optim.adamw.AdamW")
+        if was != optimizer_name(self.optimizer):
+            raise StateMismatch(f"{path} was written with the optimizer {was}, this run has "
+                                f"{optimizer_name(self.optimizer)}; resuming with another optimizer is refused "
+                                f"(its state would not carry over: {carry}; or use the original optimizer)")
+        groups, mine = state.get("optimizer_groups"), self._optimizer_groups()
+        # recorded by name since 27 Nov 2026, 13:40 (before: the sizes); a saved optimizer whose groups differ
+        # from its own record is damage, left to the load to fail
+        sizes = ([len(g) for g in groups] if groups is not None else
+                 [len(g["params"]) for g in state["optimizer"]["param_groups"]])
+        differ = groups != mine if groups is not None else sizes != [len(g) for g in mine]
+        if differ:
+            raise StateMismatch(f"{path} was written with optimizer groups of {sizes} parameters, this run's "
+                                f"have {[len(g) for g in mine]}" + (" (the same sizes, other parameters)"
+                                                                      if sizes == [len(g) for g in mine] else "") +
+                                f"; resuming with other groups is refused ({carry}; or group them as before)")
 
     def _check_modules(self, saved: Optional[list], path: Path) -> None:
         """A state resumes only into a model of the same modules: weights of the same names and shapes load
@@ -2464,13 +2495,7 @@ class DDPTrainer:
                                     f"--run_name starts fresh; or use the original setting)")
         self._check_data_fingerprint(state.get("data_fingerprint", "absent"), path)
         self._check_modules(state.get("modules"), path)
-        # states before 27 Nov 2026, 13:30 name none: AdamW, the only optimizer then
-        was = state.get("optimizer_class", "torch.optim.adamw.AdamW")
-        if was != optimizer_name(self.optimizer):
-            raise StateMismatch(f"{path} was written with the optimizer {was}, this run has "
-                                f"{optimizer_name(self.optimizer)}; resuming with another optimizer is refused "
-                                f"(its state would not carry over: another run_name with init_from {path} starts a "
-                                f"new run from these weights; or use the original optimizer)")
+        self._check_optimizer(state, path)
         saved = state.get("seeded_samples")  # absent from states written before 25 Nov 2026
         if saved is not None and saved != self._seeded_samples() and self.env.is_main:
             self.log.warning("%s was written with %s loader workers, this run has %s: a dataset that draws random "

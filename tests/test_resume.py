@@ -1012,3 +1012,34 @@ def test_a_zero_redundancy_optimizer_is_refused_at_set_up(tmp_path):
     assert spawn(_zero, 2, str(tmp_path), timeout=120) == [
         "optimizer= returned a ZeroRedundancyOptimizer, which shards its state over the ranks: this trainer saves "
         "rank 0's whole optimizer state in every resumable state; pass a plain optimizer"] * 2
+
+
+def test_a_state_resumes_only_into_its_own_optimizer_groups(tmp_path, no_launch_env):
+    """A factory that groups the parameters otherwise (a user test): other group sizes failed the optimizer's
+    load and were taken for damage ("none of the resumable states loads"); the same sizes over other
+    parameters would have given each parameter another's moments."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=gen)
+    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+
+    def mse(model, batch):
+        return ((model(batch[0]) - batch[1]) ** 2).sum(), len(batch[0])
+
+    def run(optimizer, steps):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        return DDPTrainer(config=cfg_for(tmp_path, max_steps=steps, batch_size=8), model=model, loss_fn=mse,
+                          train_dataset=data, val_dataset=data, optimizer=optimizer)
+
+    run(sgd, 4).train()  # groups: the two weights, the two biases
+    state = tmp_path / "ckpt" / "model_state_step_4.pt"
+    swapped = lambda groups: sgd([{**groups[0], "params": groups[1]["params"]},  # noqa: E731
+                                  {**groups[1], "params": groups[0]["params"]}])
+    whole = lambda groups: sgd([{"params": [p for g in groups for p in g["params"]]}])  # noqa: E731
+    for make, message in ((swapped, "written with optimizer groups of [2, 2] parameters, this run's have [2, 2] "
+                                    "(the same sizes, other parameters); resuming with other groups is refused"),
+                          (whole, "written with optimizer groups of [2, 2] parameters, this run's have [4]; "
+                                  "resuming with other groups is refused")):
+        with pytest.raises(ValueError, match=re.escape(f"{state} was {message}")):
+            run(make, 6)
+    assert run(sgd, 6).train()["resumed_from"] == str(state)
