@@ -1613,6 +1613,10 @@ class DDPTrainer:
         self.module_classes = module_structure(self.raw_model)  # what every state records, and a resume compares
         # what a training forward may move besides the weights: a skipped or failed step puts it back
         self.buffers_before_step = BufferSnapshot(self.raw_model)
+        # buffers left out of the state dict (persistent=False): a resumable state keeps them, or a resume of a
+        # model that updates one (a running statistic) would not continue as the unbroken run
+        self.transient_buffers = [(f"{prefix}.{name}".lstrip("."), m, name) for prefix, m in
+                                  self.raw_model.named_modules() for name in sorted(m._non_persistent_buffers_set)]
         self.set_train_mode = True  # every module to train mode at the next step (evaluation leaves eval mode)
         # dropout, and a dataset's own draws (numpy's, python's) in the main process, differ per rank from here on
         torch.manual_seed(cfg.seed + 1000 * env.rank)
@@ -1720,6 +1724,12 @@ class DDPTrainer:
         # an optimizer of the caller's may have no weight decay, nor these kernel choices
         self.configured_rates = [(g["initial_lr"], g.get("weight_decay")) for g in self.optimizer.param_groups]
         self.configured_kernels = [{k: g[k] for k in OPTIMIZER_KERNELS if k in g} for g in self.optimizer.param_groups]
+        rates = [lr for lr, _ in self.configured_rates]
+        if self.make_optimizer is not None and cfg.learning_rate not in rates and env.is_main:
+            # Adam(model.parameters()) in the factory: torch's default rate, where the log says learning_rate
+            self.log.warning("optimizer=: its groups' learning rates %s are what the schedule scales, not "
+                             "learning_rate %g (a factory that ignores the groups it is given sets its own)",
+                             rates, cfg.learning_rate)
         self.amp_dtype = amp_dtype_for(cfg, env.device)
         self.scaler = torch.amp.GradScaler("cuda") if self.amp_dtype == torch.float16 else None
 
@@ -2268,7 +2278,23 @@ class DDPTrainer:
                 "data_fingerprint": self.data_fingerprint, "must_match": self.resume_must_match,
                 "modules": self.module_classes, "run_id": self.run_id,
                 "init_from": self.initialised_from, "optimizer_class": optimizer_name(self.optimizer),
-                "optimizer_groups": self._optimizer_groups()}
+                "optimizer_groups": self._optimizer_groups(),
+                "transient_buffers": {full: m._buffers[name] for full, m, name in self.transient_buffers
+                                      if m._buffers.get(name) is not None}}
+
+    def _load_transient_buffers(self, saved: dict, path: Path) -> None:
+        """The state's non-persistent buffers into the model's, where names, shapes and dtypes agree (states
+        before 27 Nov 2026, 13:50 hold none: the model keeps its own)."""
+        for full, m, name in self.transient_buffers:
+            mine, theirs = m._buffers.get(name), saved.get(full)
+            if mine is None or theirs is None:
+                continue
+            if theirs.shape != mine.shape or theirs.dtype != mine.dtype:
+                raise StateMismatch(f"{path} holds the non-persistent buffer {full} of shape {tuple(theirs.shape)} "
+                                    f"{theirs.dtype}, this model's is {tuple(mine.shape)} {mine.dtype}; resuming it "
+                                    f"is refused (--resume none or another --run_name starts fresh)")
+            with torch.no_grad():
+                mine.copy_(theirs)
 
     def _optimizer_groups(self) -> list:
         """The parameters of each optimizer group, by name: what its saved moments belong to."""
@@ -2511,6 +2537,7 @@ class DDPTrainer:
             raise StateMismatch(f"{path} holds another model ({lines[1] if len(lines) > 1 else lines[0]} ...); "
                                 f"resuming it is refused (--resume none or another --run_name starts fresh; or use "
                                 f"the original model settings)") from exc
+        self._load_transient_buffers(state.get("transient_buffers", {}), path)
         # this device's kernels, not the saving one's (a CPU state resumed on a GPU runs fused); before the load,
         # which places each moment's step counter by them (a fused kernel takes them on the GPU)
         saved = state["optimizer"]

@@ -991,6 +991,11 @@ def test_an_optimizer_factory_that_returns_the_wrong_thing_is_refused(tmp_path, 
     for make, kind, message in cases:
         with pytest.raises(kind, match=re.escape(message)):
             DDPTrainer(config=cfg_for(tmp_path, max_steps=2), optimizer=make)
+    # one that ignores the groups, and with them learning_rate: trained at torch's default rate without a word
+    DDPTrainer(config=cfg_for(tmp_path / "adam", max_steps=2),
+               optimizer=lambda groups: torch.optim.Adam([p for g in groups for p in g["params"]])).close()
+    assert ("WARNING: optimizer=: its groups' learning rates [0.001] are what the schedule scales, not "
+            "learning_rate 0.01") in (tmp_path / "adam" / "logs" / "rank_0.log").read_text()
 
 
 def _zero(rank, world_size, root):
@@ -1043,3 +1048,49 @@ def test_a_state_resumes_only_into_its_own_optimizer_groups(tmp_path, no_launch_
         with pytest.raises(ValueError, match=re.escape(f"{state} was {message}")):
             run(make, 6)
     assert run(sgd, 6).train()["resumed_from"] == str(state)
+
+
+class _TransientMean(torch.nn.Module):
+    """Centres its input by a running mean kept out of the state dict (persistent=False)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(8), persistent=False)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                self.mean.mul_(0.5).add_(0.5 * x.mean(0))
+        return self.net(x - self.mean)
+
+
+class _MseStopAt:
+    def __init__(self, step=0):
+        self.calls, self.step = 0, step
+
+    def __call__(self, model, batch):
+        self.calls += model.training
+        if self.calls == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return ((model(batch[0]) - batch[1]) ** 2).sum(), len(batch[0])
+
+
+def test_a_non_persistent_buffer_resumes_with_the_state(tmp_path, no_launch_env):
+    """A buffer left out of the state dict that training moves (a user test): the resumed run started it afresh
+    and ended about 1e-2 away from the unbroken run, without a word."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=gen) + 3.0
+    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+
+    def run(root, loss_fn):
+        torch.manual_seed(0)
+        return DDPTrainer(config=cfg_for(root, max_steps=12, batch_size=8), model=_TransientMean(), loss_fn=loss_fn,
+                          train_dataset=data, val_dataset=data).train()
+
+    run(tmp_path / "unbroken", _MseStopAt())
+    assert run(tmp_path / "stopped", _MseStopAt(5))["status"] == "interrupted"
+    state = torch.load(tmp_path / "stopped" / "ckpt" / "model_state_step_5.pt", weights_only=True)
+    assert set(state["transient_buffers"]) == {"mean"} and state["transient_buffers"]["mean"].abs().sum() > 0
+    assert run(tmp_path / "stopped", _MseStopAt())["resumed_from"].endswith("model_state_step_5.pt")
+    assert_bit_identical(final_weights(tmp_path / "stopped"), final_weights(tmp_path / "unbroken"))
