@@ -2380,11 +2380,13 @@ def set_rng_state(state: dict, device: Optional[torch.device] = None) -> None:
 # Replication check: every rank must hold the same weights
 # ----------------------------------------------------------------------------
 
+def tensor_digest(t: torch.Tensor) -> str:
+    """SHA-256 of a tensor's bytes (copied to the host)."""
+    return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy()).hexdigest()
+
+
 def parameter_digests(model: torch.nn.Module) -> list:
-    out = []
-    for name, p in model.named_parameters():
-        out.append((name, hashlib.sha256(p.detach().cpu().contiguous().view(torch.uint8).numpy()).hexdigest()))
-    return out
+    return [(name, tensor_digest(p)) for name, p in model.named_parameters()]
 
 
 def broadcast_buffers(model: torch.nn.Module) -> None:

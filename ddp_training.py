@@ -961,28 +961,41 @@ class BatchError:
 class BufferSnapshot:
     """A model's buffers as they were at take(), which put_back() restores: a skipped or failed step changes
     nothing, neither BatchNorm's running statistics nor a model's own (a running mean, an EMA of weights),
-    whether its forward updated them in place or replaced them. One multi-tensor copy a step, no host sync."""
+    whether its forward updated them in place, replaced them, or set one registered as None (lazily). A buffer
+    is copied again only once its version counter or identity says it changed (a constant mask: once; under
+    DDP, whose forward broadcasts every buffer in place, each step), and put back only where it changed;
+    BatchNorm's, which its kernel updates without a version bump, every time."""
 
     def __init__(self, model: nn.Module):
-        self.slots = [(m, name) for m in model.modules() for name, b in m._buffers.items() if b is not None]
-        self.tensors: list = []
-        self.copies: list = []
+        self.slots = [(m, name) for m in model.modules() for name in m._buffers]
+        # BatchNorm's kernel updates its running statistics without a version bump: always copied
+        self.unversioned = [isinstance(m, nn.modules.batchnorm._NormBase) for m, _ in self.slots]
+        self.kept: list = [(None, None, None)] * len(self.slots)  # (tensor, its version, its copy)
 
     def take(self) -> "BufferSnapshot":
-        current = [m._buffers.get(name) for m, name in self.slots]
-        unchanged = len(current) == len(self.tensors) and all(a is b for a, b in zip(current, self.tensors))
-        if current and unchanged and all(t is not None for t in current):
-            torch._foreach_copy_(self.copies, current)
-        else:  # the first time, or a forward replaced a buffer (or unset it)
-            self.copies = [None if t is None else t.clone() for t in current]
-        self.tensors = current
+        kept, sources, copies = [], [], []
+        for (m, name), (was, version, copy), always in zip(self.slots, self.kept, self.unversioned):
+            t = m._buffers.get(name)
+            if t is None:
+                kept.append((None, None, None))
+            elif t is was and t._version == version and not always:
+                kept.append((t, version, copy))
+            elif copy is not None and (copy.shape, copy.dtype, copy.device) == (t.shape, t.dtype, t.device):
+                sources.append(t)
+                copies.append(copy)
+                kept.append((t, t._version, copy))
+            else:
+                kept.append((t, t._version, t.clone()))
+        if sources:  # one multi-tensor copy, no host sync
+            torch._foreach_copy_(copies, sources)
+        self.kept = kept
         return self
 
     def put_back(self) -> None:
-        for (m, name), tensor, copy in zip(self.slots, self.tensors, self.copies):
-            if tensor is not None:
-                tensor.data.copy_(copy)
-            m._buffers[name] = tensor
+        for (m, name), (t, version, copy), always in zip(self.slots, self.kept, self.unversioned):
+            if t is not None and (t._version != version or always):
+                t.data.copy_(copy)  # not counted as an in-place change: a replay's backward may still need it
+            m._buffers[name] = t
 
 
 class StepTally:
@@ -1613,10 +1626,13 @@ class DDPTrainer:
         self.module_classes = module_structure(self.raw_model)  # what every state records, and a resume compares
         # what a training forward may move besides the weights: a skipped or failed step puts it back
         self.buffers_before_step = BufferSnapshot(self.raw_model)
-        # buffers left out of the state dict (persistent=False): a resumable state keeps them, or a resume of a
-        # model that updates one (a running statistic) would not continue as the unbroken run
+        # buffers left out of the state dict (persistent=False): those training moves (a running statistic) go
+        # into each resumable state with the digest of their value here, and a resume restores them only into a
+        # model that starts them alike (a cache built from another configuration keeps its own)
         self.transient_buffers = [(f"{prefix}.{name}".lstrip("."), m, name) for prefix, m in
-                                  self.raw_model.named_modules() for name in sorted(m._non_persistent_buffers_set)]
+                                  self.raw_model.named_modules() for name in sorted(m._non_persistent_buffers_set)
+                                  if m._buffers.get(name) is not None]
+        self.transient_start = {full: rt.tensor_digest(m._buffers[name]) for full, m, name in self.transient_buffers}
         self.set_train_mode = True  # every module to train mode at the next step (evaluation leaves eval mode)
         # dropout, and a dataset's own draws (numpy's, python's) in the main process, differ per rank from here on
         torch.manual_seed(cfg.seed + 1000 * env.rank)
@@ -2279,22 +2295,34 @@ class DDPTrainer:
                 "modules": self.module_classes, "run_id": self.run_id,
                 "init_from": self.initialised_from, "optimizer_class": optimizer_name(self.optimizer),
                 "optimizer_groups": self._optimizer_groups(),
-                "transient_buffers": {full: m._buffers[name] for full, m, name in self.transient_buffers
-                                      if m._buffers.get(name) is not None}}
+                "transient_buffers": self._moved_transient_buffers()}
+
+    def _moved_transient_buffers(self) -> dict:
+        """{name: {"start": digest at set-up, "value": tensor}} of the non-persistent buffers training moved."""
+        moved = {}
+        for full, m, name in self.transient_buffers:
+            t = m._buffers.get(name)
+            if t is not None and rt.tensor_digest(t) != self.transient_start[full]:
+                moved[full] = {"start": self.transient_start[full], "value": t}
+        return moved
 
     def _load_transient_buffers(self, saved: dict, path: Path) -> None:
-        """The state's non-persistent buffers into the model's, where names, shapes and dtypes agree (states
-        before 27 Nov 2026, 13:50 hold none: the model keeps its own)."""
+        """The moved non-persistent buffers of a state into the model, where it started them alike; the others
+        as set-up made them (a state that failed half-way may have set some; states before 27 Nov 2026, 14:00
+        hold none)."""
         for full, m, name in self.transient_buffers:
-            mine, theirs = m._buffers.get(name), saved.get(full)
-            if mine is None or theirs is None:
+            entry, mine = saved.get(full), m._buffers.get(name)
+            if mine is None:
                 continue
-            if theirs.shape != mine.shape or theirs.dtype != mine.dtype:
-                raise StateMismatch(f"{path} holds the non-persistent buffer {full} of shape {tuple(theirs.shape)} "
-                                    f"{theirs.dtype}, this model's is {tuple(mine.shape)} {mine.dtype}; resuming it "
-                                    f"is refused (--resume none or another --run_name starts fresh)")
+            value = self.transient_fresh[full]
+            if isinstance(entry, dict) and entry.get("start") == self.transient_start[full] and \
+                    (entry["value"].shape, entry["value"].dtype) == (mine.shape, mine.dtype):
+                value = entry["value"]
+            elif isinstance(entry, dict):
+                self.log.warning("%s: its non-persistent buffer %s was moved by training, but this model starts it "
+                                 "otherwise (another configuration?): it keeps its own", path, full)
             with torch.no_grad():
-                mine.copy_(theirs)
+                mine.copy_(value)
 
     def _optimizer_groups(self) -> list:
         """The parameters of each optimizer group, by name: what its saved moments belong to."""
@@ -2434,6 +2462,8 @@ class DDPTrainer:
             return None
         explicit = mode != "auto"
         candidates = [Path(mode)] if explicit else list(reversed(self.state_files()))
+        # as set-up made them: put back before each state (_load_transient_buffers), then let go
+        self.transient_fresh = {full: m._buffers[name].clone() for full, m, name in self.transient_buffers}
         # A state that fails half-way leaves a mix behind; the next one to load overwrites all of it, and
         # when none loads the run stops instead of starting fresh from the mix.
         chosen, error = None, None
@@ -2451,6 +2481,7 @@ class DDPTrainer:
                     error = ("unreadable", f"--resume {path}: {exc}")
                     break
                 self.log.warning("cannot resume from %s (%s); trying the previous state", path, exc)
+        self.transient_fresh = {}
         if chosen is None and candidates and error is None:  # starting fresh would overwrite the run's weights
             error = ("unreadable", f"none of the {len(candidates)} resumable states in {self.ckpt_dir} loads (see "
                                    f"the warnings above); --resume none or another --run_name starts fresh")

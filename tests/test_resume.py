@@ -969,12 +969,18 @@ def test_a_state_resumes_only_into_its_own_optimizer(tmp_path, no_launch_env):
             f"{state} was written with the optimizer torch.optim.adamw.AdamW, this run has torch.optim.sgd.SGD; "
             f"resuming with another optimizer is refused")):
         DDPTrainer(config=cfg_for(tmp_path, max_steps=8), optimizer=sgd)
-    # a state from before the class was recorded was AdamW's
+    # a state from before the class, the groups and the transient buffers were recorded was AdamW's, over the
+    # two groups, whose sizes are compared
     old = torch.load(state, weights_only=True)
-    del old["optimizer_class"]
+    for key in ("optimizer_class", "optimizer_groups", "transient_buffers"):
+        del old[key]
     rt.atomic_save(old, state)
     with pytest.raises(ValueError, match="written with the optimizer torch.optim.adamw.AdamW"):
         DDPTrainer(config=cfg_for(tmp_path, max_steps=8), optimizer=sgd)
+    whole = lambda groups: torch.optim.AdamW([p for g in groups for p in g["params"]])  # noqa: E731
+    with pytest.raises(ValueError, match=r"written with optimizer groups of \[\d+, \d+\] parameters, this run's have "
+                                         r"\[\d+\]; resuming with other groups is refused"):
+        DDPTrainer(config=cfg_for(tmp_path, max_steps=8), optimizer=whole)
     assert DDPTrainer(config=cfg_for(tmp_path, max_steps=8)).train()["steps"] == 8
 
 
@@ -1053,9 +1059,9 @@ def test_a_state_resumes_only_into_its_own_optimizer_groups(tmp_path, no_launch_
 class _TransientMean(torch.nn.Module):
     """Centres its input by a running mean kept out of the state dict (persistent=False)."""
 
-    def __init__(self):
+    def __init__(self, start=0.0):
         super().__init__()
-        self.register_buffer("mean", torch.zeros(8), persistent=False)
+        self.register_buffer("mean", torch.full((8,), start), persistent=False)
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
 
     def forward(self, x):
@@ -1083,14 +1089,30 @@ def test_a_non_persistent_buffer_resumes_with_the_state(tmp_path, no_launch_env)
     x = torch.randn(64, 8, generator=gen) + 3.0
     data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
 
-    def run(root, loss_fn):
+    def run(root, loss_fn, start=0.0, steps=12):
         torch.manual_seed(0)
-        return DDPTrainer(config=cfg_for(root, max_steps=12, batch_size=8), model=_TransientMean(), loss_fn=loss_fn,
-                          train_dataset=data, val_dataset=data).train()
+        return DDPTrainer(config=cfg_for(root, max_steps=steps, batch_size=8), model=_TransientMean(start),
+                          loss_fn=loss_fn, train_dataset=data, val_dataset=data).train()
 
     run(tmp_path / "unbroken", _MseStopAt())
     assert run(tmp_path / "stopped", _MseStopAt(5))["status"] == "interrupted"
     state = torch.load(tmp_path / "stopped" / "ckpt" / "model_state_step_5.pt", weights_only=True)
-    assert set(state["transient_buffers"]) == {"mean"} and state["transient_buffers"]["mean"].abs().sum() > 0
+    assert set(state["transient_buffers"]) == {"mean"} and state["transient_buffers"]["mean"]["value"].abs().sum() > 0
     assert run(tmp_path / "stopped", _MseStopAt())["resumed_from"].endswith("model_state_step_5.pt")
     assert_bit_identical(final_weights(tmp_path / "stopped"), final_weights(tmp_path / "unbroken"))
+    # a model that starts the buffer otherwise (another configuration, a code fix) keeps its own, and says so
+    assert run(tmp_path / "stopped", _MseStopAt(), start=1.0, steps=14)["steps"] == 14
+    assert (f"model_state_step_12.pt: its non-persistent buffer mean was moved by training, but this model starts it "
+            f"otherwise (another configuration?): it keeps its own") in \
+        (tmp_path / "stopped" / "logs" / "rank_0.log").read_text()
+
+
+def test_a_constant_non_persistent_buffer_stays_out_of_the_state(tmp_path, no_launch_env):
+    """A cache built from the configuration (a mask, RoPE's frequencies) is the model's own: saved, it made a
+    longer context's resume fail on its shape, or a changed one be overwritten by the stale copy (a review)."""
+    model = CausalLM(64, 32, 2, 2, 32)
+    model.register_buffer("mask", torch.ones(32, 32).tril(), persistent=False)
+    gen_data = synthetic_lm_data(TrainConfig.from_dict(cfg_for(tmp_path)))
+    DDPTrainer(config=cfg_for(tmp_path, max_steps=5), model=model, train_dataset=gen_data.train,
+               val_dataset=gen_data.val).train()
+    assert torch.load(tmp_path / "ckpt" / "model_state_step_5.pt", weights_only=True)["transient_buffers"] == {}

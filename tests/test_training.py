@@ -909,24 +909,28 @@ class _RunningMean(nn.Module):
     """Centres its input by a running mean of its own (a plain buffer, not BatchNorm's), updated in place or
     by assignment in the training forward."""
 
-    def __init__(self, replace: bool):
+    def __init__(self, replace: bool, lazy: bool = False):
         super().__init__()
         self.replace = replace
-        self.register_buffer("mean", torch.zeros(8))
+        self.register_buffer("mean", None if lazy else torch.zeros(8))
+        # a constant that is a view of one element (its put_back, copying into it, raised)
+        self.register_buffer("scale", torch.ones(1).expand(8))
         self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
 
     def forward(self, x):
         if self.training:
             with torch.no_grad():
+                if self.mean is None:  # set by the first training forward
+                    self.mean = torch.zeros(8)
                 new = 0.9 * self.mean + 0.1 * x.mean(0)
                 if self.replace:
                     self.mean = new
                 else:
                     self.mean.copy_(new)
-        return self.net(x - self.mean)
+        return self.net((x - (0 if self.mean is None else self.mean)) * self.scale)
 
 
-@pytest.mark.parametrize("kind", ["batchnorm", "own buffer in place", "own buffer replaced"])
+@pytest.mark.parametrize("kind", ["batchnorm", "own buffer in place", "own buffer replaced", "own buffer lazy"])
 def test_a_skipped_step_leaves_the_models_buffers_as_they_were(tmp_path, no_launch_env, kind):
     """A sample with a NaN feature skipped its step, but the training forward had already moved BatchNorm's
     running statistics to NaN: every later validation was NaN, and the run still said completed (a user's
@@ -939,7 +943,7 @@ def test_a_skipped_step_leaves_the_models_buffers_as_they_were(tmp_path, no_laun
     train = torch.utils.data.TensorDataset(x, y)
     val = torch.utils.data.TensorDataset(torch.randn(16, 8, generator=gen), torch.zeros(16, 1))
     model = (nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1)) if kind == "batchnorm"
-             else _RunningMean(replace=kind.endswith("replaced")))
+             else _RunningMean(replace=kind.endswith("replaced"), lazy=kind.endswith("lazy")))
 
     def mse(model, batch):
         inputs, targets = batch
