@@ -1102,8 +1102,8 @@ def test_a_non_persistent_buffer_resumes_with_the_state(tmp_path, no_launch_env)
     assert_bit_identical(final_weights(tmp_path / "stopped"), final_weights(tmp_path / "unbroken"))
     # a model that starts the buffer otherwise (another configuration, a code fix) keeps its own, and says so
     assert run(tmp_path / "stopped", _MseStopAt(), start=1.0, steps=14)["steps"] == 14
-    assert (f"model_state_step_12.pt: its non-persistent buffer mean was moved by training, but this model starts it "
-            f"otherwise (another configuration?): it keeps its own") in \
+    assert ("model_state_step_12.pt: its non-persistent buffer mean was moved by training, but this model starts it "
+            "otherwise (another configuration?): it keeps its own") in \
         (tmp_path / "stopped" / "logs" / "rank_0.log").read_text()
 
 
