@@ -1280,10 +1280,12 @@ class DDPTrainer:
                  checkpoint_extra: Optional[dict] = None, weights_key: str = "model",
                  count_unit: str = "tokens", describe: Optional[str] = None, data_fingerprint: Optional[str] = None,
                  resume_must_match: Optional[dict] = None, run_config: Optional[dict] = None,
-                 optimizer: Optional[Callable[[list], torch.optim.Optimizer]] = None):
+                 optimizer: Optional[Callable[[list], torch.optim.Optimizer]] = None,
+                 after_step: Optional[Callable[[nn.Module, int], None]] = None):
         self.cfg = TrainConfig.from_dict(config)
         cfg = self.cfg
         self.make_optimizer = optimizer  # groups -> an optimizer; None: AdamW (build_optimizer)
+        self.after_step = after_step  # (model, step) after each applied update
         # what the run dir's config.yaml holds: a script with flags of its own passes them (loadable by its
         # --config); by default the resolved TrainConfig
         self.run_config = run_config
@@ -2003,6 +2005,9 @@ class DDPTrainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        if self.after_step is not None:  # an EMA of the weights, say: on every rank, after each applied update
+            with torch.no_grad():
+                self.after_step(self.raw_model, self.global_step + 1)
         return norm
 
     def _skip_in_schedule(self) -> None:

@@ -1116,3 +1116,43 @@ def test_a_constant_non_persistent_buffer_stays_out_of_the_state(tmp_path, no_la
     DDPTrainer(config=cfg_for(tmp_path, max_steps=5), model=model, train_dataset=gen_data.train,
                val_dataset=gen_data.val).train()
     assert torch.load(tmp_path / "ckpt" / "model_state_step_5.pt", weights_only=True)["transient_buffers"] == {}
+
+
+class _WithEma(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        self.register_buffer("ema", self.net[0].weight.detach().clone())  # saved with the weights
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_after_step_runs_after_each_applied_update_and_what_it_keeps_resumes(tmp_path, no_launch_env):
+    """An EMA of the weights had to be updated inside the forward (a user test): after_step(model, step) runs on
+    every rank after each applied update, without grad, never for a skipped step; what it keeps in the model's
+    buffers is saved and resumes bit-identically."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=gen)
+    y = x.sum(1, keepdim=True)
+    x[5, 3] = float("nan")  # one skipped step in each epoch
+    data = torch.utils.data.TensorDataset(x, y)
+    calls = []
+
+    def ema(model, step):
+        calls.append((step, torch.is_grad_enabled()))
+        model.ema.mul_(0.9).add_(0.1 * model.net[0].weight)
+
+    def run(root, loss_fn):
+        torch.manual_seed(0)
+        return DDPTrainer(config=cfg_for(root, max_steps=16, batch_size=8), model=_WithEma(), loss_fn=loss_fn,
+                          train_dataset=data, val_dataset=data, after_step=ema).train()
+
+    assert run(tmp_path / "unbroken", _MseStopAt())["skipped_steps"] == 2
+    skipped = {r["step"] for r in metrics(tmp_path / "unbroken" / "logs", "train") if r["skipped"]}
+    assert len(skipped) == 2 and calls == [(s, False) for s in range(1, 17) if s not in skipped]
+    unbroken = final_weights(tmp_path / "unbroken")
+    assert not torch.equal(unbroken["ema"], unbroken["net.0.weight"])
+    assert run(tmp_path / "stopped", _MseStopAt(5))["status"] == "interrupted"
+    assert run(tmp_path / "stopped", _MseStopAt())["resumed_from"].endswith("model_state_step_5.pt")
+    assert_bit_identical(final_weights(tmp_path / "stopped"), unbroken)
