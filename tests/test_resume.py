@@ -1161,6 +1161,6 @@ def test_after_step_runs_after_each_applied_update_and_what_it_keeps_resumes(tmp
         if step == 3:
             raise ValueError("the EMA failed")
     with pytest.raises(ValueError, match="the EMA failed"):  # as an error in the optimizer's step: named, marked
-        DDPTrainer(config=cfg_for(tmp_path / "fails", max_steps=5, batch_size=8), model=_WithEma(), loss_fn=_MseStopAt(),
-                   train_dataset=data, val_dataset=data, after_step=fails).train()
+        DDPTrainer(config=cfg_for(tmp_path / "fails", max_steps=5, batch_size=8), model=_WithEma(),
+                   loss_fn=_MseStopAt(), train_dataset=data, val_dataset=data, after_step=fails).train()
     assert (tmp_path / "fails" / "logs" / "FAILED_rank_0").exists()
