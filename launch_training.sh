@@ -167,6 +167,15 @@ fi
 [[ -f "$script" ]] || die "--script '$script' does not exist (looked in the current directory and in $here)"
 (( nnodes >= 1 )) || die "--nnodes must be >= 1"
 (( node_rank < nnodes )) || die "--node-rank $node_rank must be < --nnodes $nnodes"
+# `srun -n N ./launch_training.sh` starts N launchers: with one node each makes its own group (--standalone)
+# and trains alone, or meets another's run dir as another run's; one launcher per node, and --nnodes says so
+step_tasks=${SLURM_STEP_NUM_TASKS:-1}
+if [[ "$step_tasks" =~ ^[0-9]+$ ]] && (( step_tasks > 1 && step_tasks != nnodes )); then
+    die "srun started $step_tasks launchers (SLURM_STEP_NUM_TASKS) for --nnodes $nnodes: each would train on its" \
+        "own; start one per node, as srun --ntasks-per-node=1 bash -c './launch_training.sh --nnodes \$SLURM_NNODES" \
+        "--node-rank \$SLURM_NODEID --master-addr HOST ...' (quoted: each node's own SLURM_NODEID), or let srun" \
+        "start the ranks itself: srun python ddp_training.py ..."
+fi
 if (( nnodes > 1 )) && [[ -z "$master_addr" ]]; then
     die "--nnodes $nnodes needs --master-addr (the host of node rank 0)"
 fi

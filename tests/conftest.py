@@ -71,8 +71,8 @@ class FlakyData(torch.utils.data.Dataset):
 
 # Variables that would make a "plain" process think it is part of a distributed job.
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-               "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST", "TORCHELASTIC_RUN_ID",
-               "DDP_KIT_LAUNCH_ID")
+               "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST", "SLURM_STEP_NUM_TASKS",
+               "TORCHELASTIC_RUN_ID", "DDP_KIT_LAUNCH_ID")
 
 
 class Augmented(torch.utils.data.Dataset):

@@ -97,6 +97,18 @@ def test_a_launcher_started_with_ctrl_c_ignored_says_how_to_stop_it(tmp_path, fa
     assert "Ctrl-C is ignored" not in launch(["--cpu"], tmp_path, fake_bin).stdout
 
 
+def test_srun_starting_several_launchers_for_one_node_is_refused(tmp_path, fake_bin):
+    """`srun -n 2 ./launch_training.sh`: each task started its own one-node torchrun group, which trained alone
+    or was turned away from the other's run dir as "another run" (a SLURM review)."""
+    failed(launch(["--cpu"], tmp_path, fake_bin, SLURM_STEP_NUM_TASKS=2),
+           "srun started 2 launchers (SLURM_STEP_NUM_TASKS) for --nnodes 1: each would train on its own; start one "
+           "per node, as srun --ntasks-per-node=1 bash -c './launch_training.sh --nnodes $SLURM_NNODES --node-rank "
+           "$SLURM_NODEID")
+    nodes = ["--cpu", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1"]
+    assert launch(nodes, tmp_path, fake_bin, SLURM_STEP_NUM_TASKS=2).returncode == 0  # one per node
+    assert launch(["--cpu"], tmp_path, fake_bin, SLURM_STEP_NUM_TASKS=1).returncode == 0
+
+
 def test_gpu_mode_refuses_more_processes_than_gpus(tmp_path, fake_bin):
     fake_nvidia_smi(fake_bin, 2)
     failed(launch(["--nproc", "4"], tmp_path, fake_bin), "--nproc 4", "2 selected")
