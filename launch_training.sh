@@ -466,7 +466,8 @@ fi
 if (( status != 0 && nnodes > 1 )) && [[ -z "$forwarded" && -z "$(new_marker metrics.jsonl)" ]]; then
     say "torchrun exited $status before any rank began training: if the nodes did not all meet within" \
         "--rdzv-timeout ${rdzv_timeout}s (its error above: 'clients joined', a rendezvous timeout), start every" \
-        "node's launcher within that time, with the same --nnodes, --master-addr and --master-port"
+        "node's launcher within that time, with the same --nnodes, --master-addr and --master-port, and each" \
+        "node its own --node-rank (under srun, quote it: '--node-rank \$SLURM_NODEID', not expanded by the batch shell)"
 fi
 if (( status != 0 )) && [[ -n "$forwarded" ]]; then
     # training never began (no start record of this launch): the ranks died of the signal while importing

@@ -728,7 +728,9 @@ def test_a_node_that_never_starts_ends_the_other_within_the_rendezvous_timeout_s
     assert "waiting up to 5s for the launchers of all 2 nodes to meet at 127.0.0.1:" in r.stdout, r.stdout[-3000:]
     assert "1/2 clients joined" in r.stdout, r.stdout[-3000:]  # torchrun's own error
     assert r.stdout.rstrip().endswith("start every node's launcher within that time, with the same --nnodes, "
-                                      "--master-addr and --master-port"), r.stdout[-3000:]
+                                      "--master-addr and --master-port, and each node its own --node-rank (under "
+                                      "srun, quote it: '--node-rank $SLURM_NODEID', not expanded by the batch "
+                                      "shell)"), r.stdout[-3000:]
 
 
 # -- SLURM ---------------------------------------------------------------------------------------------------
