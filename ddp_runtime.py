@@ -2381,8 +2381,9 @@ def set_rng_state(state: dict, device: Optional[torch.device] = None) -> None:
 # ----------------------------------------------------------------------------
 
 def tensor_digest(t: torch.Tensor) -> str:
-    """SHA-256 of a tensor's bytes (copied to the host)."""
-    return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy()).hexdigest()
+    """SHA-256 of a tensor's bytes (copied to the host). Flattened first: a 0-dim tensor (a learnable scale, a
+    step counter) cannot be viewed as bytes."""
+    return hashlib.sha256(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
 
 
 def parameter_digests(model: torch.nn.Module) -> list:

@@ -1323,6 +1323,43 @@ def test_ranks_given_other_settings_are_refused_at_set_up_naming_them(tmp_path):
     assert not (tmp_path / "logs").exists()  # refused before anything is written
 
 
+class _Scaled(nn.Module):
+    """A learnable 0-dim scale (as CLIP's logit scale) and a 0-dim non-persistent step counter."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(8, 3)
+        self.scale = nn.Parameter(torch.tensor(1.0))
+        self.register_buffer("seen", torch.tensor(0), persistent=False)
+
+    def forward(self, x):
+        if self.training:
+            self.seen += 1
+        return self.net(x) * self.scale
+
+
+def _scaled_run(rank, world_size, root):
+    torch.manual_seed(0)
+    return DDPTrainer(rank=rank, world_size=world_size, config={**dirs(Path(root)), "max_steps": 4, "batch_size": 8,
+                                                                "save_every_iters": 2, "device": "cpu"},
+                      model=_Scaled(), loss_fn=_forward_loss, train_dataset=_classes(), val_dataset=_classes(16)
+                      ).train()["status"]
+
+
+@pytest.mark.multi
+def test_a_0_dim_parameter_and_buffer_pass_the_replica_check_and_init_from(tmp_path):
+    """The bytes of a 0-dim tensor cannot be viewed as such: a model with a learnable scalar failed its first
+    save point on 2 ranks (the replica check hashes every parameter), and init_from in any run."""
+    assert spawn(_scaled_run, 2, str(tmp_path), timeout=120) == ["completed"] * 2
+    state = torch.load(tmp_path / "ckpt" / "model_state_step_4.pt", weights_only=True)
+    assert state["transient_buffers"]["seen"]["value"] == 4 and state["model"]["scale"].dim() == 0
+    tuned = DDPTrainer(config={**dirs(tmp_path / "tuned"), "max_steps": 2, "batch_size": 8, "device": "cpu",
+                               "init_from": str(tmp_path / "ckpt" / "model_final.pt")}, model=_Scaled(),
+                       loss_fn=_forward_loss, train_dataset=_classes(), val_dataset=_classes(16))
+    assert torch.equal(tuned.raw_model.scale, state["model"]["scale"])
+    tuned.close()
+
+
 def _init_from_per_rank(rank, world_size, root):
     """rank 1 is given another file: as on a node whose copy of the file differs"""
     name = "a" if rank == 0 else "b"
