@@ -1770,22 +1770,41 @@ def test_nproc_meets_on_master_port_where_it_is_set_and_puts_the_environment_bac
         assert code == 2 and f"error: MASTER_PORT={bad!r} in the environment: expected a port number" in out, out
 
 
-def test_nproc_keeps_passing_stops_on_until_it_exits(tmp_path, monkeypatch):
-    """As a rank's train_preemptible: a Ctrl-C to the --nproc parent after its ranks ended was a
-    KeyboardInterrupt that printed "before any training step" over a finished run."""
-    import ddp_training
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+@pytest.fixture
+def stop_handlers():
+    """This process's stop handlers as a test found them (yielded), put back after it."""
+    before = {sig: signal.getsignal(sig) for sig in STOPS}
+    yield before
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
+
+
+def stops_change_nothing(*sigs, after: str) -> None:
+    """Each signal to this process is noted by a handler that stays: no KeyboardInterrupt, no death."""
     try:
-        monkeypatch.setattr(rt, "_main_ends_the_process", True)
-        assert ddp_training.spawn_local(2, {"out": str(tmp_path)}, worker=_says_its_port) == 0
-        try:
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.1)
-        except KeyboardInterrupt:
-            pytest.fail("a Ctrl-C after the ranks ended raised KeyboardInterrupt")
-    finally:
-        for sig, handler in before.items():
-            signal.signal(sig, handler)
+        for sig in sigs:
+            os.kill(os.getpid(), sig)
+        time.sleep(0.1)
+    except KeyboardInterrupt:
+        pytest.fail(f"a Ctrl-C after {after} raised KeyboardInterrupt")
+
+
+def test_nproc_keeps_passing_stops_on_until_it_exits(tmp_path, monkeypatch, stop_handlers):
+    """As a rank's train_preemptible: a Ctrl-C to the --nproc parent after its ranks ended was a
+    KeyboardInterrupt that printed "before any training step" over a finished run. Called in-process (a
+    notebook, a test) it gives the caller's handlers back."""
+    import ddp_training
+    monkeypatch.setattr(rt, "_main_ends_the_process", True)  # as rt.run_script sets it
+    assert ddp_training.spawn_local(2, {"out": str(tmp_path)}, worker=_says_its_port) == 0
+    stops_change_nothing(signal.SIGINT, after="the ranks ended")
+    for sig, handler in stop_handlers.items():
+        signal.signal(sig, handler)
+    monkeypatch.setattr(rt, "_main_ends_the_process", False)
+    assert ddp_training.spawn_local(2, {"out": str(tmp_path)}, worker=_says_its_port) == 0
+    assert {sig: signal.getsignal(sig) for sig in STOPS} == stop_handlers
 
 
 def test_nproc_hosts_its_rendezvous_store_itself(tmp_path, monkeypatch):
@@ -2266,28 +2285,21 @@ class _TrainsAtOnce:
         return {"status": "completed"}
 
 
-def test_a_script_keeps_its_stop_handlers_from_the_end_of_training_until_it_exits(tmp_path, monkeypatch):
+def test_a_script_keeps_its_stop_handlers_from_the_end_of_training_until_it_exits(tmp_path, monkeypatch,
+                                                                                   stop_handlers):
     """A Ctrl-C between train() returning and the process exiting was Python's KeyboardInterrupt again: an
     --nproc rank exited 130, and its parent said "before any training step" of a run that had finished.
     A script's process keeps its handlers: the stop is noted, the run's outcome stands."""
     import ddp_training
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        monkeypatch.setattr(rt, "_main_ends_the_process", True)  # as rt.run_script and an --nproc rank set it
-        assert ddp_training.train_preemptible(_TrainsAtOnce, tmp_path) == 0
-        try:
-            os.kill(os.getpid(), signal.SIGINT)
-            os.kill(os.getpid(), signal.SIGTERM)  # no death either
-            time.sleep(0.1)
-        except KeyboardInterrupt:
-            pytest.fail("a Ctrl-C after train() returned raised KeyboardInterrupt")
-    finally:
-        for sig, handler in before.items():
-            signal.signal(sig, handler)
+    monkeypatch.setattr(rt, "_main_ends_the_process", True)  # as rt.run_script and an --nproc rank set it
+    assert ddp_training.train_preemptible(_TrainsAtOnce, tmp_path) == 0
+    stops_change_nothing(signal.SIGINT, signal.SIGTERM, after="train() returned")  # SIGTERM: no death either
+    for sig, handler in stop_handlers.items():
+        signal.signal(sig, handler)
     # a caller that goes on (a notebook, a test calling a script's main()) gets its own handlers back
     monkeypatch.setattr(rt, "_main_ends_the_process", False)
     assert ddp_training.train_preemptible(_TrainsAtOnce, tmp_path) == 0
-    assert {sig: signal.getsignal(sig) for sig in before} == before
+    assert {sig: signal.getsignal(sig) for sig in STOPS} == stop_handlers
 
 
 _CTRL_C_DROPPED_IN_BUILD = """
@@ -2814,14 +2826,6 @@ def test_run_script_and_an_nproc_rank_say_their_main_ends_the_process(monkeypatc
                         lambda *a, **k: seen.append(rt.main_ends_the_process()) or 0)
     ddp_training._spawned_worker(0, 1, {})
     assert seen == [True, True] and exits == [3, 0]
-
-
-def test_nproc_called_in_process_gives_back_the_callers_handlers(tmp_path, monkeypatch):
-    import ddp_training
-    monkeypatch.setattr(rt, "_main_ends_the_process", False)  # a notebook, a test: the caller goes on
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
-    assert ddp_training.spawn_local(2, {"out": str(tmp_path)}, worker=_says_its_port) == 0
-    assert {sig: signal.getsignal(sig) for sig in before} == before
 
 
 def test_init_from_refuses_weights_under_two_leading_names(tmp_path, no_launch_env):
