@@ -894,14 +894,15 @@ def init_weights_in(ckpt, weights_key: str, extra: dict, must_match: dict, own_k
     if not isinstance(ckpt, dict):
         raise ValueError(f"holds a {type(ckpt).__name__}; expected a checkpoint (a dict)")
     state = {"model", "optimizer", "counters"} <= set(ckpt) and isinstance(ckpt["model"], dict)
+    other = next((ckpt[k] for k in OTHER_WEIGHTS_KEYS if isinstance(ckpt.get(k), dict)), None)
     if isinstance(ckpt.get(weights_key), dict):
         weights = ckpt[weights_key]
     elif state:
         weights = ckpt["model"]
     elif ckpt and all(isinstance(v, torch.Tensor) for v in ckpt.values()):
         weights = ckpt
-    elif any(isinstance(ckpt.get(k), dict) for k in OTHER_WEIGHTS_KEYS):
-        weights = next(ckpt[k] for k in OTHER_WEIGHTS_KEYS if isinstance(ckpt.get(k), dict))
+    elif other is not None:
+        weights = other
     else:
         raise ValueError(f"holds no weights under {weights_key!r} (its keys: {sorted(map(str, ckpt))[:8]}); "
                          f"expected a weights file of this model, a resumable state, a state dict, or one under "
@@ -2311,15 +2312,15 @@ class DDPTrainer:
                 moved[full] = {"start": self.transient_start[full], "value": t}
         return moved
 
-    def _load_transient_buffers(self, saved: dict, path: Path) -> None:
+    def _load_transient_buffers(self, saved: dict, path: Path, fresh: dict) -> None:
         """The moved non-persistent buffers of a state into the model, where it started them alike; the others
-        as set-up made them (a state that failed half-way may have set some; states before 27 Nov 2026, 14:00
-        hold none)."""
+        as set-up made them (`fresh`: a state that failed half-way may have set some; states before 27 Nov
+        2026, 14:00 hold none)."""
         for full, m, name in self.transient_buffers:
             entry, mine = saved.get(full), m._buffers.get(name)
             if mine is None:
                 continue
-            value = self.transient_fresh[full]
+            value = fresh[full]
             if isinstance(entry, dict) and entry.get("start") == self.transient_start[full] and \
                     (entry["value"].shape, entry["value"].dtype) == (mine.shape, mine.dtype):
                 value = entry["value"]
@@ -2467,15 +2468,15 @@ class DDPTrainer:
             return None
         explicit = mode != "auto"
         candidates = [Path(mode)] if explicit else list(reversed(self.state_files()))
-        # as set-up made them: put back before each state (_load_transient_buffers), then let go
-        self.transient_fresh = {full: m._buffers[name].clone() for full, m, name in self.transient_buffers}
+        # as set-up made them: put back before each state (_load_transient_buffers)
+        fresh = {full: m._buffers[name].clone() for full, m, name in self.transient_buffers}
         # A state that fails half-way leaves a mix behind; the next one to load overwrites all of it, and
         # when none loads the run stops instead of starting fresh from the mix.
         chosen, error = None, None
         for path in candidates:
             try:
                 # on the CPU: RNG states must be CPU tensors; load_state_dict moves the rest to the device
-                self._apply_state(rt.load_checkpoint(path, map_location="cpu"), path)
+                self._apply_state(rt.load_checkpoint(path, map_location="cpu"), path, fresh)
                 chosen = path
                 break
             except StateMismatch as exc:  # a state of another run configuration: refused, never skipped
@@ -2486,7 +2487,6 @@ class DDPTrainer:
                     error = ("unreadable", f"--resume {path}: {exc}")
                     break
                 self.log.warning("cannot resume from %s (%s); trying the previous state", path, exc)
-        self.transient_fresh = {}
         if chosen is None and candidates and error is None:  # starting fresh would overwrite the run's weights
             error = ("unreadable", f"none of the {len(candidates)} resumable states in {self.ckpt_dir} loads (see "
                                    f"the warnings above); --resume none or another --run_name starts fresh")
@@ -2532,7 +2532,7 @@ class DDPTrainer:
                 "grad_accum_steps": self.cfg.grad_accum_steps, "seed": self.cfg.seed,
                 "train_samples": self._train_samples()}
 
-    def _apply_state(self, state: dict, path: Path) -> None:
+    def _apply_state(self, state: dict, path: Path, fresh_buffers: dict) -> None:
         missing = {"run", "model", "optimizer", "scheduler", "scaler", "counters", "rng"} - set(state)
         if missing:
             raise rt.CheckpointError(f"not a resumable state (a weights-only file?): it lacks {sorted(missing)}; "
@@ -2573,7 +2573,7 @@ class DDPTrainer:
             raise StateMismatch(f"{path} holds another model ({lines[1] if len(lines) > 1 else lines[0]} ...); "
                                 f"resuming it is refused (--resume none or another --run_name starts fresh; or use "
                                 f"the original model settings)") from exc
-        self._load_transient_buffers(state.get("transient_buffers", {}), path)
+        self._load_transient_buffers(state.get("transient_buffers", {}), path, fresh_buffers)
         # this device's kernels, not the saving one's (a CPU state resumed on a GPU runs fused); before the load,
         # which places each moment's step counter by them (a fused kernel takes them on the GPU)
         saved = state["optimizer"]
