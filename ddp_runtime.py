@@ -329,7 +329,22 @@ def _group_store(rank: int, world_size: int, timeout: datetime.timedelta):
     makes after train()) met the first one's keys there, and its ranks hung in set-up. Every rank makes its
     groups in the same order, so the prefixes agree."""
     global _groups_made
-    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    try:
+        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    except dist.DistNetworkError as exc:
+        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        if timed_out(exc):
+            raise
+        if rank != 0:  # something else answered there: the store of another job, say
+            raise SetUpFailed(f"rank {rank}: set-up failed: no rendezvous of rank 0 at {where} (MASTER_ADDR:"
+                              f"MASTER_PORT): {str(exc).strip().splitlines()[-1]}") from exc
+        if "EADDRINUSE" not in str(exc):
+            raise
+        slurm = " (under SLURM, unset, it is 20000 + (SLURM_JOB_ID + SLURM_STEP_ID) % 20000)" \
+            if "SLURM_PROCID" in os.environ else ""
+        raise ValueError(f"MASTER_PORT={os.environ['MASTER_PORT']} is taken on this host: rank 0 cannot host the "
+                         f"ranks' rendezvous at {where} (another job, or a run not yet gone, holds it); set "
+                         f"MASTER_PORT to a free port{slurm}") from None
     store.set_timeout(timeout)
     _groups_made += 1
     return dist.PrefixStore(f"ddp_kit_group_{_groups_made}", store)
@@ -619,7 +634,7 @@ SAME_SETTING = (
     ("data_strategy", "dispatch_batches"),
     ("patience", "early_stopping_patience"),
     ("use_amp", "fp16", "amp", "mixed_precision"),
-    ("log_dir", "output_dir", "logging_dir"),
+    ("log_dir", "output_dir", "logging_dir", "out_dir", "save_dir", "default_root_dir"),
     ("resume", "resume_from_checkpoint"),
     ("num_workers", "dataloader_num_workers"),
 )

@@ -9,6 +9,7 @@ import os
 import re
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -251,6 +252,46 @@ def test_nccl_on_cpu_is_refused(no_launch_env, monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "29999")
     with pytest.raises(ValueError, match="gloo"):
         rt.setup_distributed(0, 2, backend="nccl", device="cpu")
+
+
+def test_a_taken_master_port_is_named(no_launch_env, monkeypatch):
+    """Rank 0 of a plain env:// start (srun, the user's own variables) on a port another process holds: a
+    bad input naming MASTER_PORT (it was torch's traceback); a rank > 0 that finds something else there (another
+    job's store) says where it looked."""
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    with pytest.raises(ValueError, match=f"MASTER_PORT={port} is taken on this host: rank 0 cannot host"):
+        rt.setup_distributed(0, 2, device="cpu", timeout_s=2)
+
+    def hang_up():
+        while True:
+            try:
+                holder.accept()[0].close()
+            except OSError:  # closed below
+                return
+    threading.Thread(target=hang_up, daemon=True).start()
+    try:
+        with pytest.raises(rt.SetUpFailed, match=f"rank 1: set-up failed: no rendezvous of rank 0 at 127.0.0.1:{port} "
+                                                 r"\(MASTER_ADDR:MASTER_PORT\)"):
+            rt.setup_distributed(1, 2, device="cpu", timeout_s=2)
+    finally:
+        holder.close()
+    assert not dist.is_initialized()
+
+
+def test_name_hint_tells_other_trainers_names():
+    """nanoGPT's --out_dir and Lightning's default_root_dir are our log_dir; a typo gets the close name."""
+    flags = ["log_dir", "log-dir", "grad_accum_steps", "max_steps", "nproc"]
+    assert rt.name_hint("--out_dir", flags) == " (this kit's name for it: --log_dir)"
+    assert rt.name_hint("default_root_dir", flags) == " (this kit's name for it: log_dir)"
+    assert rt.name_hint("--max-iters=5", flags) == " (this kit's name for it: --max_steps)"
+    assert rt.name_hint("--log_dri", flags) == " (did you mean --log_dir?)"
+    assert rt.name_hint("--gpus", flags).startswith(" (the number of processes is the launcher's")
+    assert rt.name_hint("--colour", flags) == ""
 
 
 # -- logging and memory -------------------------------------------------------
