@@ -74,11 +74,15 @@ class DistEnv:
         return self.rank == 0
 
 
+class LaunchEnvError(ValueError):
+    """Launch variables that cannot describe this process: not a number, a rank outside the world size."""
+
+
 def first_slurm_host(nodelist: str) -> str:
     """First host of a SLURM node list: 'gpu[07-09,12],cpu3' -> 'gpu07', 'rack[1-2]-n[01-04]' -> 'rack1-n01'."""
-    m = re.match(r"(?:[^,\[]|\[[^\]]*\])+", nodelist.strip())  # the first entry: commas inside [] do not end it
+    m = re.match(r"(?:[^,\[]|\[[^\]]*\])+(?=,|$)", nodelist.strip())  # the first entry: commas inside [] do not end it
     if not m or "[]" in m.group(0):
-        raise ValueError(f"cannot parse SLURM node list {nodelist!r}")
+        raise LaunchEnvError(f"cannot parse SLURM node list {nodelist!r}")
     # each bracket's first range's first value, zero padding kept
     return re.sub(r"\[([^\]]*)\]", lambda r: r.group(1).split(",")[0].split("-")[0], m.group(0))
 
@@ -89,20 +93,16 @@ def slurm_tasks_on_node(tasks_per_node: str, node_id: int) -> int:
     for part in tasks_per_node.split(","):
         m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
         if not m:
-            raise ValueError(f"cannot parse SLURM tasks per node {tasks_per_node!r}")
+            raise LaunchEnvError(f"cannot parse SLURM tasks per node {tasks_per_node!r}")
         counts += [int(m.group(1))] * int(m.group(2) or 1)
     if not 0 <= node_id < len(counts):
-        raise ValueError(f"SLURM_NODEID={node_id} is not a node of tasks per node {tasks_per_node!r}")
+        raise LaunchEnvError(f"SLURM_NODEID={node_id} is not a node of tasks per node {tasks_per_node!r}")
     return counts[node_id]
 
 
 # What detect_launch_env reads
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS",
                "SLURM_NTASKS", "SLURM_LOCALID")
-
-
-class LaunchEnvError(ValueError):
-    """Launch variables that cannot describe this process: not a number, a rank outside the world size."""
 
 
 def _int_env(env, name: str, default: Optional[str] = None) -> int:
@@ -171,6 +171,14 @@ def _slurm_step_tasks(env) -> Optional[int]:
     return _int_env(env, "SLURM_NTASKS")  # a task > 0 without step variables: not the batch script
 
 
+def _slurm_list(var: str, read, *args):
+    """`read(*args)` of SLURM's compressed list in `var`, its error naming the variable."""
+    try:
+        return read(*args)
+    except LaunchEnvError as exc:
+        raise LaunchEnvError(f"{var}: {exc} (set by srun)") from None
+
+
 def _slurm_task(env) -> Optional[dict]:
     """The SLURM task this process is, or None when it is not one of a group (the batch script)."""
     ntasks = _slurm_step_tasks(env)
@@ -180,18 +188,19 @@ def _slurm_task(env) -> Optional[dict]:
     if ntasks > 1:
         # c10d's env:// rendezvous reads these; SLURM does not set them itself.
         if "MASTER_ADDR" not in env:
-            nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
-            if not nodelist:
-                raise RuntimeError("SLURM run with several tasks but neither MASTER_ADDR nor "
-                                   "SLURM_JOB_NODELIST is set")
-            os.environ["MASTER_ADDR"] = first_slurm_host(nodelist)
+            var = next((v for v in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST") if env.get(v)), None)
+            if not var:
+                raise LaunchEnvError("SLURM run with several tasks but neither MASTER_ADDR nor "
+                                     "SLURM_JOB_NODELIST is set")
+            os.environ["MASTER_ADDR"] = _slurm_list(var, first_slurm_host, env[var])
         # the step too: two srun steps side by side in one allocation (a sweep) must not share a port
         os.environ.setdefault("MASTER_PORT", str(20000 + (_int_env(env, "SLURM_JOB_ID", "0") +
                                                           _int_env(env, "SLURM_STEP_ID", "0")) % 20000))
         # the ranks sharing this node's cores (threads, loader workers); the world size would starve them
-        per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-        if per_node and "LOCAL_WORLD_SIZE" not in env:
-            os.environ["LOCAL_WORLD_SIZE"] = str(slurm_tasks_on_node(per_node, int(env.get("SLURM_NODEID", "0"))))
+        var = next((v for v in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE") if env.get(v)), None)
+        if var and "LOCAL_WORLD_SIZE" not in env:
+            node = _int_env(env, "SLURM_NODEID", "0")
+            os.environ["LOCAL_WORLD_SIZE"] = str(_slurm_list(var, slurm_tasks_on_node, env[var], node))
     return dict(rank=rank, world_size=ntasks, local_rank=_int_env(env, "SLURM_LOCALID", "0"), launcher="slurm")
 
 

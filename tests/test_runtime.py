@@ -69,6 +69,11 @@ def test_detect_env_plain_and_torchrun(no_slurm_step, monkeypatch):
                                                                                    "size 2, from SLURM_PROCID=3"),
     # LOCAL_WORLD_SIZE sets the threads: 'x' was a ValueError that named no variable
     (dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="x"), "LOCAL_WORLD_SIZE='x' is not a whole number"),
+    # SLURM's compressed lists were a traceback (exit 1), and a node list cut short gave its first host as 'gpu'
+    (dict(SLURM_PROCID="0", SLURM_STEP_NUM_TASKS="2", SLURM_STEP_NODELIST="gpu[07-"),
+     "SLURM_STEP_NODELIST: cannot parse SLURM node list 'gpu[07-' (set by srun)"),
+    (dict(SLURM_PROCID="1", SLURM_STEP_NUM_TASKS="2", SLURM_STEP_NODELIST="gpu1", SLURM_STEP_TASKS_PER_NODE="2(x"),
+     "SLURM_STEP_TASKS_PER_NODE: cannot parse SLURM tasks per node '2(x' (set by srun)"),
     (dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="1"),
      "local rank 1 of 1 ranks on this node, world size 2, from RANK=1 WORLD_SIZE=2 LOCAL_RANK=1 LOCAL_WORLD_SIZE=1: "
      "expected 0 <= LOCAL_RANK < LOCAL_WORLD_SIZE <= world size"),
