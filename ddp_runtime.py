@@ -314,6 +314,8 @@ def setup_distributed(rank: int, world_size: int, local_rank: Optional[int] = No
         dist.init_process_group(backend=chosen, store=store, rank=rank, world_size=world_size, timeout=timeout,
                                 device_id=dev if chosen == "nccl" else None)
     except dist.DistError as exc:
+        if "Duplicate GPU detected" in str(exc):
+            raise SetUpFailed(_shared_gpu(rank, dev, exc)) from exc
         if not timed_out(exc):
             raise
         # a late rank finds the keys of those that gave up on it: they checked in, then left
@@ -325,6 +327,15 @@ def setup_distributed(rank: int, world_size: int, local_rank: Optional[int] = No
     _own_group = True
     _start_roll_call(timeout)
     return DistEnv(rank, local_rank, world_size, chosen, dev)
+
+
+def _shared_gpu(rank: int, dev: torch.device, exc: BaseException) -> str:
+    """NCCL refuses two ranks on one GPU (where tasks of a node share one CUDA_VISIBLE_DEVICES, as SLURM tasks
+    given no GPU of their own do): its line, with what each rank can change."""
+    said = next((line.strip() for line in str(exc).splitlines() if "Duplicate GPU" in line), "")
+    return (f"rank {rank}: set-up failed: NCCL found two ranks on one GPU ({said}); this rank took {dev} of "
+            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}: start at most one process per "
+            f"GPU on each node (under srun, give each task its own: --gpus-per-task=1)")
 
 
 # Whether the default group is the kit's (teardown_distributed leaves it), and how many the kit has made here

@@ -288,6 +288,36 @@ def test_a_taken_master_port_is_named(no_launch_env, monkeypatch):
     assert not dist.is_initialized()
 
 
+def test_two_ranks_on_one_gpu_are_told_what_to_change(no_launch_env, monkeypatch):
+    """SLURM tasks of a node that share one GPU (no --gpus-per-task) each take cuda:0, and NCCL refuses the
+    group with its own line in torch's traceback: the set-up failure keeps that line and says what to change.
+    (NCCL is stood in for: no GPU here; the line is NCCL's, as torch raises it.)"""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(rt, "cuda_index", lambda local_rank, given=True: 0)
+    monkeypatch.setattr(rt, "_meet", lambda rank, world_size, timeout: None)
+
+    def nccl_refuses(**kwargs):
+        raise dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1691, invalid usage (run with NCCL_DEBUG=WARN "
+                                    "for details), NCCL version 2.21.5\nncclInvalidUsage: This usually reflects "
+                                    "invalid usage of NCCL library.\nLast error:\nDuplicate GPU detected : rank 1 and "
+                                    "rank 0 both on CUDA device 1000")
+    monkeypatch.setattr(dist, "init_process_group", nccl_refuses)
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(rt.SetUpFailed) as failed:
+            rt.setup_distributed(1, 2, device="cuda")
+    finally:
+        torch.set_num_threads(threads)
+    assert str(failed.value) == (
+        "rank 1: set-up failed: NCCL found two ranks on one GPU (Duplicate GPU detected : rank 1 and rank 0 both on "
+        "CUDA device 1000); this rank took cuda:0 of CUDA_VISIBLE_DEVICES=3: start at most one process per GPU on "
+        "each node (under srun, give each task its own: --gpus-per-task=1)")
+
+
 def test_name_hint_tells_other_trainers_names():
     """nanoGPT's --out_dir and Lightning's default_root_dir are our log_dir; a typo gets the close name."""
     flags = ["log_dir", "log-dir", "grad_accum_steps", "max_steps", "nproc"]
