@@ -683,8 +683,8 @@ def name_hint(name: str, known) -> str:
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose errors (exit 2) also reach torchrun's failure summary and the launcher (see refuse),
-    that takes no abbreviated flags (the launcher reads --log_dir from the scripts' arguments as typed), and
-    that names the flag an unknown one probably means."""
+    that takes no abbreviated flags (the launcher reads --log_dir from the scripts' arguments as typed), that
+    names the flag an unknown one probably means, and that shows a long usage as a pointer to --help."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, allow_abbrev=False, **kwargs)
@@ -696,7 +696,10 @@ class ArgumentParser(argparse.ArgumentParser):
                      if arg.startswith("--")]
             message += "".join(f"; {h}" for h in hints if h.endswith(")"))
         note_for_torchrun(f"{self.prog}: error: {message}")
-        super().error(message)
+        usage = self.format_usage()
+        if usage.count("\n") > 4:  # a usage of dozens of flags buries the line that says what is wrong
+            usage = f"usage: {self.prog} [flags] ({self.prog} --help lists them)\n"
+        self.exit(2, f"{usage}{self.prog}: error: {message}\n")
 
 
 def add_local_rank_flag(parser: argparse.ArgumentParser) -> None:

@@ -5,7 +5,7 @@ rate is the loss floor) or on a real corpus (`--data file.txt|tokens.npy`).
     python ddp_training.py --cpu --test                 # one process, seconds
     python ddp_training.py --cpu --nproc 2              # two gloo processes, no torchrun
     torchrun --standalone --nproc_per_node=2 ddp_training.py --cpu
-    python -c "from ddp_training import DDPTrainer; DDPTrainer(rank=0, world_size=1, config={'max_steps': 50}).train()"
+    python -c "from ddp_training import DDPTrainer; DDPTrainer(rank=0, world_size=1, config={'max_steps': 50, 'run_name': 'api'}).train()"
 
 Every control decision (skip a step, stop early, stop on a signal) is taken from an
 all-reduced value, so all ranks take the same branch at the same step.
@@ -204,8 +204,9 @@ class TrainConfig:
     max_bad_steps: int = 5
 
     @classmethod
-    def from_dict(cls, cfg) -> "TrainConfig":
-        """A config from a dict of keys to change from the defaults (or a TrainConfig), checked."""
+    def from_dict(cls, cfg, builtin_lm: bool = True) -> "TrainConfig":
+        """A config from a dict of keys to change from the defaults (or a TrainConfig), checked; the built-in
+        LM's keys only where it is the model (`builtin_lm`): with the caller's model they change nothing."""
         cfg = dataclasses.asdict(cfg) if isinstance(cfg, TrainConfig) else dict(cfg or {})
         known = {f.name for f in dataclasses.fields(cls)}
         for key in cfg:
@@ -214,12 +215,12 @@ class TrainConfig:
                                  f"{', '.join(sorted(known))}")
         hints = typing.get_type_hints(cls)
         out = cls(**{key: _typed(key, value, hints[key]) for key, value in cfg.items()})
-        out.check()
+        out.check(builtin_lm)
         out.log_dir = out.log_dir or str(Path("runs") / out.run_name)
         out.checkpoint_dir = out.checkpoint_dir or str(Path(out.log_dir) / "checkpoints")
         return out
 
-    def check(self) -> None:
+    def check(self, builtin_lm: bool = True) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
@@ -227,8 +228,10 @@ class TrainConfig:
         for key, allowed in CHOICES.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"config key {key!r} must be one of {allowed}, got {getattr(self, key)!r}")
-        for key in ("batch_size", "grad_accum_steps", "seq_len", "hidden_size", "num_layers", "num_heads",
-                    "log_interval", "max_bad_steps", "vocab_size", "dataset_size", "markov_branching"):
+        lm_keys = ("seq_len", "hidden_size", "num_layers", "num_heads", "vocab_size", "dataset_size",
+                   "markov_branching")
+        for key in ("batch_size", "grad_accum_steps", "log_interval", "max_bad_steps",
+                    *(lm_keys if builtin_lm else ())):
             if getattr(self, key) < 1:
                 raise ValueError(f"config key {key!r} must be >= 1, got {getattr(self, key)}")
         for key in ("num_epochs", "max_steps", "warmup_steps", "num_workers", "val_interval", "patience",
@@ -242,10 +245,10 @@ class TrainConfig:
                 raise ValueError(f"config key {key!r} must be > 0, got {getattr(self, key)}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"config key 'min_lr_ratio' must be in [0, 1], got {self.min_lr_ratio}")
-        for key in ("val_fraction", "test_fraction", "dropout"):
+        for key in ("val_fraction", "test_fraction", "dropout") if builtin_lm else ():
             if not 0 <= getattr(self, key) < 1:
                 raise ValueError(f"config key {key!r} must be in [0, 1), got {getattr(self, key)}")
-        if self.hidden_size % self.num_heads:
+        if builtin_lm and self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}")
         if self.num_epochs < 1 and self.max_steps < 1:
             raise ValueError("set num_epochs >= 1 or max_steps >= 1")
@@ -1283,7 +1286,7 @@ class DDPTrainer:
                  resume_must_match: Optional[dict] = None, run_config: Optional[dict] = None,
                  optimizer: Optional[Callable[[list], torch.optim.Optimizer]] = None,
                  after_step: Optional[Callable[[nn.Module, int], None]] = None):
-        self.cfg = TrainConfig.from_dict(config)
+        self.cfg = TrainConfig.from_dict(config, builtin_lm=model is None)
         cfg = self.cfg
         self.make_optimizer = optimizer  # groups -> an optimizer; None: AdamW (build_optimizer)
         self.after_step = after_step  # (model, step) after each applied update

@@ -571,13 +571,14 @@ def test_a_loss_fn_that_reaches_past_the_forward_fails_in_one_process_as_under_d
 
 def test_the_lms_settings_with_a_model_of_ones_own_are_named_unused_and_not_recorded(tmp_path, no_launch_env):
     """hidden_size=... with model= changed nothing without a word, and the run's config.yaml listed the
-    built-in LM's settings for a model that has none of them (a migrating user)."""
+    built-in LM's settings for a model that has none of them (a migrating user). Nor are they checked as the
+    LM's: 3 heads for its 64 wide layers refused a model that has no heads (a README audit)."""
     cfg = {**dirs(tmp_path), "max_steps": 2, "val_interval": 0, "hidden_size": 64, "dataset_size": 128,
            "learning_rate": 3e-3, "device": "cpu"}
-    DDPTrainer(config=cfg, model=_Classifier(), loss_fn=_forward_loss, train_dataset=_classes(),
+    DDPTrainer(config={**cfg, "num_heads": 3}, model=_Classifier(), loss_fn=_forward_loss, train_dataset=_classes(),
                val_dataset=_classes(16)).train()
-    assert ("WARNING: config keys hidden_size, dataset_size are the built-in LM's and its data's: with model= they "
-            "change nothing") in (tmp_path / "logs" / "rank_0.log").read_text()
+    assert ("WARNING: config keys hidden_size, num_heads, dataset_size are the built-in LM's and its data's: with "
+            "model= they change nothing") in (tmp_path / "logs" / "rank_0.log").read_text()
     saved = yaml.safe_load((tmp_path / "logs" / "config.yaml").read_text())
     assert saved["learning_rate"] == 3e-3 and saved["max_steps"] == 2
     assert not set(saved) & {"hidden_size", "vocab_size", "dataset_size", "seq_len", "data", "val_fraction"}
