@@ -1083,11 +1083,24 @@ def json_line(record: dict) -> str:
     return json.dumps(json_safe(record), allow_nan=False)
 
 
-def next_batch(batches, backstop_s: Optional[float] = None) -> Any:
+# Why a loader of known length ends early: a DataLoader takes a StopIteration from the dataset or the collate
+# function for the end of its data (on this rank alone, under shard)
+ENDED_EARLY = ("a StopIteration raised in the dataset's __getitem__ or in collate_fn (next() on an exhausted "
+               "iterator?) ends a DataLoader as if its data were done")
+
+
+def next_batch(batches, backstop_s: Optional[float] = None, length_known: bool = False) -> Any:
+    """The next batch, or a BatchError for one that failed to load. StopIteration: a stream ran dry (under
+    dispatch, on every rank at once); from a loader of known length, which is never read past its end, it is
+    a fatal BatchError, agreed on in the step instead of one rank leaving its epoch alone."""
     try:
         with rt.backstop(backstop_s):
             return next(batches)
-    except (StopIteration, rt.CollectiveFailed):
+    except StopIteration:
+        if not length_known:
+            raise
+        return BatchError(f"the training loader ended before the epoch's last batch: {ENDED_EARLY}", fatal=True)
+    except rt.CollectiveFailed:
         raise
     except Exception as exc:  # agreed on in the step, counted or fatal
         text = f"{type(exc).__name__}: {exc}"
@@ -1101,7 +1114,7 @@ def next_batch(batches, backstop_s: Optional[float] = None) -> Any:
                           counted=getattr(exc, "counted", True))
 
 
-def next_micro_batches(batches, n: int, backstop_s: Optional[float] = None) -> list:
+def next_micro_batches(batches, n: int, backstop_s: Optional[float] = None, length_known: bool = False) -> list:
     """A step's n micro-batches. After a fatal loading error (a stuck or dead worker) the rest are that error:
     reading on would wait out loader_timeout again for each, while the other ranks wait in the step."""
     micro = []
@@ -1109,7 +1122,7 @@ def next_micro_batches(batches, n: int, backstop_s: Optional[float] = None) -> l
         if micro and isinstance(micro[-1], BatchError) and micro[-1].fatal:
             micro.append(micro[-1])
         else:
-            micro.append(next_batch(batches, backstop_s))
+            micro.append(next_batch(batches, backstop_s, length_known))
     return micro
 
 
@@ -1159,6 +1172,14 @@ _END = object()
 
 
 @torch.no_grad()
+def loader_length(loader) -> Optional[int]:
+    """Batches a loader yields, or None for a stream (no length)."""
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
 def evaluate_model(model: nn.Module, loader, loss_fn: LossFn, device: torch.device,
                    autocast=contextlib.nullcontext, non_blocking: bool = False,
                    log: Optional[logging.Logger] = None) -> dict:
@@ -1173,12 +1194,15 @@ def evaluate_model(model: nn.Module, loader, loss_fn: LossFn, device: torch.devi
     extras: dict = {}
     error, failure = None, None
     try:  # no collective inside the loop, so a rank may leave it early; the gather below tells the others
-        batches = iter(loader)
+        batches, expected, read = iter(loader), loader_length(loader), 0
         while True:
             with rt.backstop(backstop_s):
                 batch = next(batches, _END)
             if batch is _END:
+                if expected is not None and read < expected:  # the agreed mean would leave this rank's rest out
+                    error = f"the loader ended after {read} of its {expected} batches: {ENDED_EARLY}"
                 break
+            read += 1
             batch = to_device(batch, device, non_blocking)
             with autocast():
                 out = loss_terms(loss_fn(model, batch))
@@ -2932,7 +2956,8 @@ class DDPTrainer:
         batches = self._epoch_batches()
         for i in range(self.step_in_epoch, self.steps_per_epoch):
             try:
-                micro = next_micro_batches(batches, cfg.grad_accum_steps, self.loader_backstop_s)
+                micro = next_micro_batches(batches, cfg.grad_accum_steps, self.loader_backstop_s,
+                                           self.known_steps_per_epoch is not None)
             except StopIteration:  # a stream ran dry; dispatch tells every rank at once
                 break
             except rt.CollectiveFailed as exc:  # dispatch: rank 0 is gone or stuck

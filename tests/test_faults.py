@@ -782,6 +782,57 @@ def test_data_errors_are_counted_collectively(tmp_path):
     assert_last_good_weights(tmp_path / "b", 0)  # the first batch of rank 0 is sample 0, which fails
 
 
+class StopsEarly(torch.utils.data.Dataset):
+    """A user's bug on one rank: next() on an exhausted iterator in __getitem__, at its `call`-th read. The
+    DataLoader takes the StopIteration for the end of its data."""
+
+    def __init__(self, data, stops: bool, call: int):
+        self.data, self.stops, self.call, self.calls = data, stops, call, 0
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        self.calls += 1
+        if self.stops and self.calls == self.call:
+            return next(iter(()))
+        return self.data[i]
+
+
+def _stops_early(rank, world_size, root, where):
+    data = synthetic_lm_data(TrainConfig.from_dict(CFG))
+    train, test = data.train, data.val
+    if where == "train":
+        train = StopsEarly(train, rank == 1, call=5 * CFG["batch_size"])  # in its 5th step
+    else:
+        test = StopsEarly(test, rank == 1, call=CFG["batch_size"] + 1)
+    try:
+        DDPTrainer(rank=rank, world_size=world_size, config=cfg_for(root, num_workers=0), model=CausalLM(64, 32, 1, 2, 16),
+                   train_dataset=train, val_dataset=data.val, test_dataset=test).train()
+        return "completed"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+@pytest.mark.parametrize("where", ["train", "test"])
+def test_a_stop_iteration_from_ones_dataset_fails_every_rank_instead_of_ending_one_ranks_epoch(tmp_path, where):
+    """Rank 1's loader ended its epoch there, alone: with no validation set both ranks 'completed' at other places
+    of the epoch, else each waited out dist_timeout in another collective; an evaluation left rank 1's rest of
+    the set out of the agreed mean (from a hunt for hangs)."""
+    t0 = time.time()
+    errors = spawn(_stops_early, 2, str(tmp_path), where, timeout=60)
+    cause = "a StopIteration raised in the dataset's __getitem__ or in collate_fn"
+    if where == "train":
+        assert errors == [f"StepFailed: step 5 failed on rank 1: data loading failed: the training loader ended "
+                          f"before the epoch's last batch: {cause} (next() on an exhausted iterator?) ends a "
+                          f"DataLoader as if its data were done"] * 2, errors
+        assert_last_good_weights(tmp_path, 4)
+    else:
+        assert len(set(errors)) == 1 and errors[0].startswith("EvaluationFailed: evaluation failed on rank 1: the "
+                                                              "loader ended after 1 of its ") and cause in errors[0]
+    assert time.time() - t0 < 30  # not a wait for dist_timeout (60 s)
+
+
 def assert_last_good_weights(root, step: int) -> None:
     """A run that stopped on a failed step left the weights of the steps before it in <prefix>_interrupted.pt."""
     saved = torch.load(root / "ckpt" / "model_interrupted.pt", weights_only=True)
