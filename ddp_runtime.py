@@ -1583,10 +1583,18 @@ class LoaderStuck(RuntimeError):
     """No batch within a loader's backstop."""
 
 
-def loader_backstop_s(num_workers: int, timeout_s: Optional[float]) -> Optional[float]:
+def loader_backstop_s(num_workers: int, timeout_s: Optional[float], peers_wait_s: float = 0.0) -> Optional[float]:
     """The backstop of a loader with workers: well past its own timeout, which answers first when no batch comes
-    at all (one next() may wait that long for each batch a worker has ahead of the one it needs)."""
-    return 4 * timeout_s if num_workers and timeout_s else None
+    at all (one next() may wait that long for each batch a worker has ahead of the one it needs). Without
+    workers (peers_wait_s given) this process reads, and nothing else ends a read that hangs there, not even a
+    stop signal (its flag is read between steps): under a launcher that does not end the ranks its peers leave
+    (srun without --kill-on-bad-exit), the rank stayed until the job's time limit. Its alarm comes once the
+    peers have given up on it too (peers_wait_s: the longest wait in a collective)."""
+    if not timeout_s:
+        return None
+    if num_workers:
+        return 4 * timeout_s
+    return max(4 * timeout_s, peers_wait_s) if peers_wait_s else None
 
 
 @contextlib.contextmanager

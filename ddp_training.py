@@ -87,7 +87,8 @@ HELP = {
     "data_strategy": "shard: every rank reads its own part; dispatch: rank 0 reads global batches and sends each "
                      "rank its part (for streams)",
     "loader_timeout": "seconds a rank waits for a batch from its DataLoader workers before the run fails (a stuck "
-                      "worker: a hung read, a deadlock)",
+                      "worker: a hung read, a deadlock); without workers, a read in the rank's own process fails "
+                      "at 4x this or past dist_timeout, whichever is later",
     "batch_size": "samples per rank and micro-step", "grad_accum_steps": "micro-steps per optimizer step (no_sync)",
     "learning_rate": "peak AdamW learning rate",
     "weight_decay": "AdamW decay, on parameters of 2+ dimensions (not biases, norm gains)",
@@ -1109,7 +1110,8 @@ def next_batch(batches, backstop_s: Optional[float] = None, length_known: bool =
         if died:
             text += died
         if stuck:
-            text += " (a worker is stuck: a hung read or a deadlock; loader_timeout sets the wait)"
+            text += (" (a stuck read, in a worker or in this process's dataset or collate_fn: a hung read or a "
+                     "deadlock; loader_timeout sets the wait)")
         return BatchError(text, fatal=bool(died) or stuck or getattr(exc, "fatal", False),
                           counted=getattr(exc, "counted", True))
 
@@ -1182,12 +1184,14 @@ def loader_length(loader) -> Optional[int]:
 
 def evaluate_model(model: nn.Module, loader, loss_fn: LossFn, device: torch.device,
                    autocast=contextlib.nullcontext, non_blocking: bool = False,
-                   log: Optional[logging.Logger] = None) -> dict:
+                   log: Optional[logging.Logger] = None, backstop_s: Optional[float] = None) -> dict:
     """Mean loss (and extras) over a sharded set: each rank runs its shard, sums and counts are
     all-reduced, so the result equals one process evaluating the whole set. Pass the bare model:
     a DDP forward here would make ranks with different shard lengths wait on each other. A loader with
-    workers and a timeout gets the same backstop as a training loader (rt.backstop)."""
-    backstop_s = rt.loader_backstop_s(getattr(loader, "num_workers", 0), getattr(loader, "timeout", None))
+    workers and a timeout gets the same backstop as a training loader (rt.backstop), unless `backstop_s` is
+    given (a trainer's, for its own loaders)."""
+    if backstop_s is None:
+        backstop_s = rt.loader_backstop_s(getattr(loader, "num_workers", 0), getattr(loader, "timeout", None))
     was_training = model.training
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
@@ -1736,10 +1740,13 @@ class DDPTrainer:
                              f"val_dataset)")
         self.test_loader = loader(test_dataset, False) if test_dataset is not None else None
         self.non_blocking = pin
-        # dispatch: rank 0's reader has its own (rt.DispatchLoader)
-        shard = cfg.data_strategy == "shard"
-        self.loader_backstop_s = rt.loader_backstop_s(self.train_loader.num_workers if shard else 0,
-                                                      cfg.loader_timeout)
+        # dispatch: rank 0's reader has its own (rt.DispatchLoader), and the other ranks read nothing
+        self.loader_backstop_s = self._backstop_s(self.train_loader) if cfg.data_strategy == "shard" else None
+
+    def _backstop_s(self, loader) -> Optional[float]:
+        """The backstop of a loader of this run's (rt.loader_backstop_s), for its workers or this process."""
+        peers_wait = max(self.cfg.dist_timeout, self.cfg.first_step_timeout)
+        return rt.loader_backstop_s(loader.num_workers, self.cfg.loader_timeout, peers_wait)
 
     def _count_steps(self) -> None:
         """Steps per epoch and in all; a stream's epoch lasts until it ends, its run until max_steps."""
@@ -1855,7 +1862,7 @@ class DDPTrainer:
     def _abandoned(self, fatal: Optional[str], exc: Exception) -> StepAbandoned:
         return StepAbandoned(f"step {self.global_step + 1} failed on rank {self.env.rank}: "
                              f"{fatal or 'out of memory in the forward'} (and the step could not be completed "
-                             f"with the other ranks: {type(exc).__name__}: {exc})")
+                             f"with the other ranks: {type(exc).__name__}: {GLOO_ADVICE.split(str(exc))[0]})")
 
     def _train_step(self, micro_batches: list, stop_signal: rt.StopSignal) -> dict:
         """Forward/backward over the accumulation window, one small all-reduce of
@@ -2236,8 +2243,9 @@ class DDPTrainer:
         self.set_train_mode = True
         rt.broadcast_buffers(self.raw_model)
         try:
+            own = loader is self.val_loader or loader is self.test_loader
             return evaluate_model(self.raw_model, loader, self.loss_fn, self.env.device, self._autocast,
-                                  self.non_blocking, self.log)
+                                  self.non_blocking, self.log, self._backstop_s(loader) if own else None)
         finally:
             if not self.in_train:
                 rt.stop_workers(loader)

@@ -469,7 +469,7 @@ def test_a_stuck_loader_worker_fails_the_run_at_its_first_timeout(tmp_path):
         r0, r1 = spawn(_stuck_worker, 2, str(tmp_path), timeout=90)
         for r in (r0, r1):
             assert "failed on rank 1: data loading failed: RuntimeError: DataLoader timed out after 5" in r["error"]
-            assert "a worker is stuck" in r["error"]
+            assert "a stuck read, in a worker" in r["error"]
         assert r1["seconds"] < 40  # one timeout (5 s), not one per step until max_errors_per_epoch
         stuck = psutil.Process(int((tmp_path / "stuck_pid").read_text()))
         deadline = time.time() + 15  # its kill may land after the rank has returned, on a busy machine
@@ -498,7 +498,7 @@ def test_a_stuck_worker_is_waited_for_once_per_step_not_once_per_micro_batch():
 
     loader = Stuck()
     micro = next_micro_batches(loader, 3)
-    assert len(micro) == 3 and all(m.fatal and "a worker is stuck" in m.text for m in micro) and loader.reads == 1
+    assert len(micro) == 3 and all(m.fatal and "a stuck read, in a worker" in m.text for m in micro) and loader.reads == 1
 
 
 def test_a_batch_whose_hand_over_hangs_fails_at_the_backstop_instead_of_hanging_for_good():
@@ -515,7 +515,7 @@ def test_a_batch_whose_hand_over_hangs_fails_at_the_backstop_instead_of_hanging_
     t0 = time.time()
     (batch,) = next_micro_batches(HandOverHangs(), 1, backstop_s=0.5)
     assert batch.fatal and "LoaderStuck: DataLoader timed out: no batch after 0.5 seconds" in batch.text
-    assert "a worker is stuck" in batch.text and time.time() - t0 < 5
+    assert "a stuck read, in a worker" in batch.text and time.time() - t0 < 5
     assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
     # evaluation loaders too (a loader with workers and a timeout: the backstop is 4 x the timeout)
     loader = type("Loader", (), {"num_workers": 1, "timeout": 0.1, "__iter__": lambda self: HandOverHangs()})()
@@ -534,6 +534,48 @@ def test_a_batch_whose_hand_over_hangs_fails_at_the_backstop_instead_of_hanging_
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, signal.SIG_DFL)
+
+
+class HangsAtRead(torch.utils.data.Dataset):
+    """A read in the rank's own process (no workers) that never returns from its `call`-th read on: a socket
+    without a timeout, as an object store's client may have."""
+
+    def __init__(self, data, call: int):
+        self.data, self.call, self.calls = data, call, 0
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        self.calls += 1
+        if self.calls >= self.call:
+            a, b = socket.socketpair()
+            with a, b:
+                a.recv(1)
+        return self.data[i]
+
+
+@pytest.mark.parametrize("where", ["train", "val"])
+def test_a_read_that_hangs_in_the_ranks_own_process_fails_at_the_backstop(tmp_path, no_launch_env, where):
+    """With num_workers=0 nothing ended such a read, nor did a stop signal (read between steps): under srun
+    without --kill-on-bad-exit the rank outlived its peers until the job's time limit (from a hunt for hangs).
+    The alarm comes at 4 x loader_timeout, or once the peers' wait (dist_timeout) is over, whichever is later."""
+    data = synthetic_lm_data(TrainConfig.from_dict(CFG))
+    train, val = data.train, data.val
+    if where == "train":
+        train = HangsAtRead(train, call=3 * CFG["batch_size"])
+    else:
+        val = HangsAtRead(val, call=2)
+    cfg = cfg_for(tmp_path, num_workers=0, loader_timeout=0.25, dist_timeout=1.5, val_interval=4)
+    trainer = DDPTrainer(rank=0, world_size=1, config=cfg, model=CausalLM(64, 32, 1, 2, 16), train_dataset=train,
+                         val_dataset=val)
+    assert trainer.loader_backstop_s == 1.5
+    t0 = time.time()
+    failure = StepFailed if where == "train" else EvaluationFailed
+    with pytest.raises(failure, match=r"LoaderStuck: DataLoader timed out: no batch after 1.5 seconds"):
+        trainer.train()
+    assert time.time() - t0 < 20
+    assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL
 
 
 class FreezesItsWorker(torch.utils.data.Dataset):
