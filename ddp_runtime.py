@@ -1239,6 +1239,31 @@ class _KeyedSampler(Sampler):
         self.sampler.set_start_index(index)
 
 
+class _NamedSamples(Dataset):
+    """A dataset whose errors name their sample, in a note (`(sample 5 of the training set)`) that a data
+    error's line and a worker's traceback show: a bad file is found by its index. A dataset that reads many
+    samples at once (__getitems__) is left as it is."""
+
+    def __init__(self, dataset: Dataset, train: bool):
+        self.dataset, self.what = dataset, " of the training set" if train else ""
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        try:
+            return self.dataset[index]
+        except Exception as exc:
+            exc.add_note(f"(sample {index}{self.what})")
+            raise
+
+
+def error_text(exc: BaseException) -> str:
+    """'Type: message', and the notes an error carries (the sample _NamedSamples names)."""
+    return " ".join([f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__,
+                     *getattr(exc, "__notes__", ())])
+
+
 class _SeededSamples(Dataset):
     """Seeds torch, numpy and random before each sample a DataLoader worker reads, from (seed, train,
     epoch, index). A worker's streams otherwise depend on which samples it read before, which a resumed
@@ -1286,6 +1311,8 @@ def build_dataloader(dataset: Dataset, batch_size: int, *, train: bool, rank: in
     else:
         sampler = ShardSampler(len(dataset), rank, world_size)
     workers = capped_workers(num_workers, local_world_size or world_size, world_size)
+    if not hasattr(dataset, "__getitems__"):
+        dataset = _NamedSamples(dataset, train)
     generator = torch.Generator()
     generator.manual_seed(seed + rank)
     kwargs = dict(num_workers=workers, pin_memory=pin_memory, drop_last=train,
@@ -1493,7 +1520,7 @@ class _TolerantDataset(Dataset):
         try:
             return self.dataset[index]
         except Exception as exc:  # reported to the rank whose part it is, in its step
-            return _FailedSample(f"{type(exc).__name__}: {exc}")
+            return _FailedSample(f"{type(exc).__name__}: {exc} (sample {index} of the training set)")
 
 
 class _PartsCollate:

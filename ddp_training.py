@@ -1086,25 +1086,26 @@ def json_line(record: dict) -> str:
 
 # Why a loader of known length ends early: a DataLoader takes a StopIteration from the dataset or the collate
 # function for the end of its data (on this rank alone, under shard)
-ENDED_EARLY = ("a StopIteration raised in the dataset's __getitem__ or in collate_fn (next() on an exhausted "
-               "iterator?) ends a DataLoader as if its data were done")
+ENDED_EARLY = ("raised in the dataset's __getitem__ or in collate_fn (next() on an exhausted iterator?), a "
+               "StopIteration ends a DataLoader's epoch as if its data were done")
 
 
 def next_batch(batches, backstop_s: Optional[float] = None, length_known: bool = False) -> Any:
     """The next batch, or a BatchError for one that failed to load. StopIteration: a stream ran dry (under
     dispatch, on every rank at once); from a loader of known length, which is never read past its end, it is
-    a fatal BatchError, agreed on in the step instead of one rank leaving its epoch alone."""
+    a bad sample's, counted as any other instead of one rank leaving its epoch alone."""
     try:
         with rt.backstop(backstop_s):
             return next(batches)
-    except StopIteration:
+    except StopIteration as exc:
         if not length_known:
             raise
-        return BatchError(f"the training loader ended before the epoch's last batch: {ENDED_EARLY}", fatal=True)
+        # the iterator goes on to the next batch, as after any bad sample
+        return BatchError(f"{rt.error_text(exc)}: {ENDED_EARLY}")
     except rt.CollectiveFailed:
         raise
     except Exception as exc:  # agreed on in the step, counted or fatal
-        text = f"{type(exc).__name__}: {exc}"
+        text = rt.error_text(exc)
         died = worker_death_note(text)
         stuck = "DataLoader timed out" in text  # every later batch would wait as long: no bad sample to skip
         if died:
@@ -1216,7 +1217,7 @@ def evaluate_model(model: nn.Module, loader, loss_fn: LossFn, device: torch.devi
                 extras[name] = extras.get(name, 0.0) + v.double()
     except Exception as exc:
         where = traceback.extract_tb(exc.__traceback__)[-1]
-        error, failure = f"{type(exc).__name__}: {exc} (at {Path(where.filename).name}:{where.lineno})", exc
+        error, failure = f"{rt.error_text(exc)} (at {Path(where.filename).name}:{where.lineno})", exc
         if log is not None:
             log.error("evaluation raised on this rank: %s", traceback.format_exc())
     finally:
@@ -2116,19 +2117,25 @@ class DDPTrainer:
                 # Only under dispatch, where a stream's parts load or fail together (_PartsCollate): all raise here
                 raise StepFailed(f"step {self.global_step + 1}: {why}; no batch of the stream has loaded yet "
                                  f"to stand in for it (a stream cannot be read by index)")
-            streams = rt.rng_state(self.env.device)
+            streams, first_error = rt.rng_state(self.env.device), None
             try:
                 for i in range(len(ds)):
                     try:
                         samples.append(ds[i])
-                    except Exception:  # noqa: BLE001 -- a bad sample is exactly what we are working around
+                    except Exception as exc:  # a bad sample is exactly what we are working around
+                        first_error = first_error or f"{rt.error_text(exc)} (sample {i})"
                         continue
                     if len(samples) == self.cfg.batch_size:
                         break
             finally:
                 rt.set_rng_state(streams, self.env.device)
             if len(samples) < self.cfg.batch_size:
-                raise RuntimeError(f"fewer than batch_size={self.cfg.batch_size} samples of the training set load")
+                # under dispatch a rank reads nothing else: one whose first part fails reads the set for this
+                reader = " (data_strategy dispatch: before its first part, a rank reads its own)" \
+                    if self.cfg.data_strategy == "dispatch" else ""
+                raise RuntimeError(f"{why}; no batch to replay in its place: fewer than batch_size="
+                                   f"{self.cfg.batch_size} samples of the training set load on this rank{reader}, "
+                                   f"the first error: {first_error}")
             self.spare_batch = self.train_loader.collate_fn(samples)
         return self.spare_batch
 
@@ -2948,7 +2955,8 @@ class DDPTrainer:
                 status = self._end_epoch(validate=status is None) or status
             if status is not None:
                 return status
-        if self.step_in_epoch >= self.steps_per_epoch > 0:  # resumed from a stop at an epoch's last step
+        # resumed from a stop at an epoch's last step (a stream's last step is never one)
+        if self.step_in_epoch >= self.steps_per_epoch > 0 and self.known_steps_per_epoch is not None:
             status = self._end_epoch()
             if status is not None:
                 return status
@@ -2981,7 +2989,9 @@ class DDPTrainer:
             status = self._step_boundary(r, stop_signal)
             if status is not None:
                 return status, False
-            if self.global_step >= self.total_steps and i < self.steps_per_epoch - 1:
+            # a stream's epoch ends when the stream does: the run's last step ends none (its range is max_steps)
+            stream = self.known_steps_per_epoch is None
+            if self.global_step >= self.total_steps and (i < self.steps_per_epoch - 1 or stream):
                 return None, False
         if self.step_in_epoch == 0:
             raise ValueError(f"the training data yielded no full step in epoch {self.epoch + 1}")

@@ -1,6 +1,7 @@
 """Sharded vs dispatched data: the same global batches, so the same weights; a stream that
 only rank 0 can read ends on every rank at the same step."""
 
+import re
 import time
 from pathlib import Path
 
@@ -101,8 +102,10 @@ def test_a_resumed_stream_says_it_starts_again_from_its_first_sample(tmp_path, n
     cfg = {**CFG, "data_strategy": "dispatch", "save_every_iters": 2, "keep_states": 0, "resume": "auto",
            "log_dir": str(tmp_path)}
     for steps in (3, 5):
-        DDPTrainer(config={**cfg, "max_steps": steps}, model=CausalLM(64, 32, 1, 2, 16),
-                   train_dataset=stream(data.train, 160), val_dataset=data.val).train()
+        s = DDPTrainer(config={**cfg, "max_steps": steps}, model=CausalLM(64, 32, 1, 2, 16),
+                       train_dataset=stream(data.train, 160), val_dataset=data.val).train()
+        # a stream not yet at its end: the run's last step ended no epoch (it was counted, with its epoch file)
+        assert s["epochs"] == 0, s
         for f in (tmp_path / "checkpoints").glob("model_state_step_3.pt*"):
             f.unlink()  # the run resumes from its state of step 2, in the middle of the stream
     assert ("the training set is a stream, which cannot be read from a position: the resumed run reads it from "
@@ -231,3 +234,26 @@ def test_a_stream_part_that_fails_at_step_1_fails_every_rank_there_not_one_alone
         assert f"(read by rank 0 for rank {rank}, data_strategy dispatch); no batch of the stream has loaded yet" \
             in error, errors
     assert "(in rank 1's part; a stream's parts load or fail together)" in errors[0], errors
+
+
+class OddSamplesFail(Rank0Only):
+    """Every odd sample fails: rank 1's part of the first global batch holds one, and rank 1 has no part yet to
+    replay in its place."""
+
+    def __getitem__(self, i):
+        only_rank_0_reads()
+        if i % 2:
+            raise ValueError("corrupt record")
+        return self.base[i]
+
+
+def test_a_failed_first_part_names_why_no_batch_can_stand_in_for_it(tmp_path):
+    """The rank that must read a stand-in itself under dispatch (where it reads nothing else) said only 'fewer
+    than batch_size samples load', neither the bad sample nor why it could not read (from a user test)."""
+    errors = spawn(_stream_outcome, 2, str(tmp_path), OddSamplesFail, timeout=90)
+    assert re.fullmatch(r"RuntimeError: BatchLoadError: ValueError: corrupt record \(sample \d*[13579] of the training "
+                        r"set\) \(read by rank 0 for rank 1, data_strategy dispatch\); no batch to replay in its place: "
+                        r"fewer than batch_size=8 samples of the training set load on this rank \(data_strategy "
+                        r"dispatch: before its first part, a rank reads its own\), the first error: RuntimeError: "
+                        r"rank 1 read the data set \(sample 0\)", errors[1]), errors
+    assert errors[0] == "StepFailed: step 1: rank 1 failed: " + errors[1], errors

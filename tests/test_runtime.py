@@ -488,6 +488,19 @@ def test_loader_does_not_touch_global_rng_and_drops_last(batch):
     assert len(seen) == len(set(seen))  # no sample twice in one epoch
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_bad_samples_error_names_its_index(workers):
+    """A data error's line said what failed, not where: the loader's samples add a note naming the index, which
+    the trainer's line (rt.error_text) and a worker's traceback show (from a user test)."""
+    data = FlakyData([torch.tensor([float(i)]) for i in range(8)], bad=[5])
+    for train, where in ((True, "(sample 5 of the training set)"), (False, "(sample 5)")):
+        loader = rt.build_dataloader(data, 4, train=train, rank=0, world_size=1, seed=0, num_workers=workers)
+        with pytest.raises(OSError) as failed:
+            list(loader)
+        assert where in rt.error_text(failed.value), rt.error_text(failed.value)
+        del loader
+
+
 def test_distributed_and_single_process_loaders_give_the_same_global_batches():
     two = [list(rt.build_dataloader(Indices(64), 4, train=True, rank=r, world_size=2, seed=7)) for r in (0, 1)]
     one = list(rt.build_dataloader(Indices(64), 8, train=True, rank=0, world_size=1, seed=7))
@@ -574,7 +587,7 @@ def read_epoch(batches) -> list:
         except StopIteration:
             return out
         except Exception as exc:  # noqa: BLE001 -- recorded, then reading goes on
-            out.append(f"{type(exc).__name__}: {exc}")
+            out.append(rt.error_text(exc))
 
 
 def _dispatched_epoch(rank, world_size, n, bad):
@@ -601,6 +614,7 @@ def test_dispatch_fails_only_the_part_with_a_bad_sample_and_reads_on_like_shard(
             if isinstance(want, str):  # the same sample fails the same rank's batch at the same step
                 errors += 1
                 assert got == f"BatchLoadError: {want} (read by rank 0 for rank {rank}, data_strategy dispatch)"
+                assert want.endswith(" of the training set)")  # both name the sample
             else:
                 assert got == want
     assert errors == len(bad)  # 40 = 2 x 4 x 5: no sample dropped, each bad one fails one batch
