@@ -488,6 +488,10 @@ def set_collective_timeout(seconds: float) -> None:
 _roll_call_group = None
 
 
+# where gloo's message of a lost peer turns to advice for its own bug reports (two wordings, and an emoji): cut there
+GLOO_ADVICE = re.compile(r"\.?\s*This is typically caused by a remote worker")
+
+
 def missing_ranks(timeout_s: float) -> str:
     """What gloo's monitored_barrier can tell about ranks that do not answer (rank 0 names them; the others
     learn that rank 0 did not answer them)."""
@@ -501,7 +505,7 @@ def missing_ranks(timeout_s: float) -> str:
         named = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", first)
         if named:
             return f"rank(s) that did not answer within {timeout_s:g}s: {named.group(1).strip()} (monitored_barrier)"
-        return f"monitored_barrier: {first}"
+        return f"monitored_barrier: {GLOO_ADVICE.split(first)[0]}"
     return "monitored_barrier: every rank answered"
 
 

@@ -1131,8 +1131,6 @@ def next_micro_batches(batches, n: int, backstop_s: Optional[float] = None, leng
 
 # What gloo says when a peer's end of the connection went away: it exited or was killed
 PEER_LOST_TEXT = ("connection closed by peer", "connection reset by peer")
-# where gloo's message of a lost peer turns to advice for its own bug reports (two wordings, and an emoji): cut there
-GLOO_ADVICE = re.compile(r"\.?\s*This is typically caused by a remote worker")
 # What gloo's failures say (its source path, or the peer's end); gloo raises them as plain RuntimeErrors, NCCL's
 # come as DistErrors. Matched only in a plain RuntimeError: a path or message of the run's own (an OSError
 # naming runs/gloo_test/metrics.jsonl) is no peer's failure.
@@ -1370,6 +1368,9 @@ class DDPTrainer:
                     rt.log_to_file(self.log, logging.ERROR, "trainer set-up failed", sys.exc_info())
                     if together is not None:
                         rt.log_to_file(self.log, logging.ERROR, str(together))
+                    elif not isinstance(exc, ValueError):  # a failure of this rank's own: its peers, past set-up
+                        # and waiting in the first step, name it instead of a peer lost 'without a word'
+                        rt.write_failure_marker(cfg.log_dir, self.env.rank, 0, exc)
                 rt.close_logger(self.log)
             rt.teardown_distributed()
             if together is not None:
@@ -1863,7 +1864,7 @@ class DDPTrainer:
     def _abandoned(self, fatal: Optional[str], exc: Exception) -> StepAbandoned:
         return StepAbandoned(f"step {self.global_step + 1} failed on rank {self.env.rank}: "
                              f"{fatal or 'out of memory in the forward'} (and the step could not be completed "
-                             f"with the other ranks: {type(exc).__name__}: {GLOO_ADVICE.split(str(exc))[0]})")
+                             f"with the other ranks: {type(exc).__name__}: {rt.GLOO_ADVICE.split(str(exc))[0]})")
 
     def _train_step(self, micro_batches: list, stop_signal: rt.StopSignal) -> dict:
         """Forward/backward over the accumulation window, one small all-reduce of
@@ -2213,7 +2214,7 @@ class DDPTrainer:
                     f"(a rank is stuck, dead or far slower); {rt.missing_ranks(5.0)}")
         elif any(t in str(exc).lower() for t in PEER_LOST_TEXT):
             text = (f"{where}: a peer was lost (it exited without a word or was killed: its exit status or "
-                    f"the kernel's log says why): {type(exc).__name__}: {GLOO_ADVICE.split(str(exc))[0]}")
+                    f"the kernel's log says why): {type(exc).__name__}: {rt.GLOO_ADVICE.split(str(exc))[0]}")
         else:
             text = f"{where}: {type(exc).__name__}: {exc}"
         rt.log_to_file(self.log, logging.ERROR, text)  # the console gets it once, as the run's error

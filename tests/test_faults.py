@@ -210,6 +210,26 @@ def test_an_extra_metric_on_one_rank_only_is_named_on_every_rank(tmp_path):
         assert r["seconds"] < 30
 
 
+def _optimizer_fails_on_rank_1(rank, world_size, root):
+    def factory(groups):
+        if rank == 1:
+            raise RuntimeError("injected failure in the optimizer factory")
+        return torch.optim.SGD(groups, lr=0.01)
+    try:
+        DDPTrainer(rank=rank, world_size=world_size, config=cfg_for(root), optimizer=factory).train()
+        return "completed"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_a_set_up_failure_of_one_rank_is_named_by_the_ranks_past_set_up(tmp_path):
+    """Rank 0, past set-up and waiting in the first step, said a peer was lost 'without a word': a rank's own
+    failure in set-up now leaves its marker too (from a hunt for hangs)."""
+    errors = spawn(_optimizer_fails_on_rank_1, 2, str(tmp_path), timeout=60)
+    assert errors == ["StepFailed: after step 0: rank 1 failed: RuntimeError: injected failure in the optimizer "
+                      "factory", "RuntimeError: injected failure in the optimizer factory"], errors
+
+
 def _own_copy(rank, world_size, root, configs):
     """A rank whose copy of the data differs: its own config (dataset_size, data)."""
     try:
@@ -1039,8 +1059,7 @@ def test_a_stopped_rank_turns_into_a_timeout_error_on_the_others(tmp_path):
     "crashing. Check the logs of the remote worker before reporting an error. GLHF!"])
 def test_gloos_advice_is_cut_from_a_lost_peers_error(text):
     """gloo's two wordings (a reset, a closed connection) each end in advice for its own bug reports."""
-    from ddp_training import GLOO_ADVICE
-    assert GLOO_ADVICE.split(text)[0].endswith(("Connection reset by peer", "Connection closed by peer "
+    assert rt.GLOO_ADVICE.split(text)[0].endswith(("Connection reset by peer", "Connection closed by peer "
                                                                             "[127.0.0.1]:21122"))
 
 
