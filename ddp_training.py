@@ -2221,15 +2221,17 @@ class DDPTrainer:
         return StepFailed(text)
 
     def _count_data_errors(self, n: int) -> None:
-        """Recoverable batch-loading errors, counted per epoch on every rank alike."""
+        """Recoverable batch-loading errors, counted per epoch on every rank alike. Every rank learns what failed
+        where (one gather, on a step with errors only): rank 0's line, the console's, names a peer's too."""
         self.epoch_data_errors += n
         mine = self.local_errors[-1] if self.local_errors else None
         if self.epoch_data_errors > self.cfg.max_errors_per_epoch:
             self._raise_collectively(f"{mine} ({self.epoch_data_errors} data errors this epoch, "
                                      f"max_errors_per_epoch={self.cfg.max_errors_per_epoch})" if mine else None)
+        where = "; ".join(f"rank {r}: {text}" for r, text in enumerate(rt.gather_objects(mine)) if text)
         self.log.warning("%d batch(es) failed to load at step %d (%d this epoch, max %d); the step uses the "
                          "other batches%s", n, self.global_step + 1, self.epoch_data_errors,
-                         self.cfg.max_errors_per_epoch, f"; here: {mine}" if mine else "")
+                         self.cfg.max_errors_per_epoch, f"; {where}" if where else "")
         self.local_errors.clear()
 
     # -- evaluation -------------------------------------------------------------

@@ -889,8 +889,8 @@ def test_a_stop_iteration_from_ones_dataset_is_a_bad_sample_not_the_end_of_one_r
              "StopIteration ends a DataLoader's epoch as if its data were done")
     if where == "train":
         assert results == [["completed", 12, 0, 12]] * 2, results  # the same place on both ranks
-        log = (tmp_path / "logs" / "rank_1.log").read_text()
-        assert re.search(r"1 batch\(es\) failed to load at step 5 .*here: data error: StopIteration \(sample \d+ of "
+        log = (tmp_path / "logs" / "rank_0.log").read_text()  # rank 0's line names rank 1's error
+        assert re.search(r"1 batch\(es\) failed to load at step 5 .*; rank 1: data error: StopIteration \(sample \d+ of "
                          r"the training set\): " + re.escape(cause), log), log
     else:
         assert len(set(results)) == 1 and results[0].startswith("EvaluationFailed: evaluation failed on rank 1: the "
