@@ -1243,7 +1243,19 @@ class _KeyedSampler(Sampler):
         self.sampler.set_start_index(index)
 
 
-class _NamedSamples(Dataset):
+class _Wrapped(Dataset):
+    """A dataset the kit's loaders wrap: `loader.dataset` still has the caller's attributes (its tokens, vocab)."""
+
+    def __getattr__(self, name):
+        if name == "dataset":  # not set yet (a worker unpickling this): no recursion
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+SAMPLE_NOTE = "(sample "
+
+
+class _NamedSamples(_Wrapped):
     """A dataset whose errors name their sample, in a note (`(sample 5 of the training set)`) that a data
     error's line and a worker's traceback show: a bad file is found by its index. A dataset that reads many
     samples at once (__getitems__) is left as it is."""
@@ -1258,7 +1270,9 @@ class _NamedSamples(Dataset):
         try:
             return self.dataset[index]
         except Exception as exc:
-            exc.add_note(f"(sample {index}{self.what})")
+            # one error object raised again (a dataset that keeps its failure) would pile up every sample's note
+            exc.__notes__ = [n for n in getattr(exc, "__notes__", ()) if not n.startswith(SAMPLE_NOTE)]
+            exc.add_note(f"{SAMPLE_NOTE}{index}{self.what})")
             raise
 
 
@@ -1268,7 +1282,7 @@ def error_text(exc: BaseException) -> str:
                      *getattr(exc, "__notes__", ())])
 
 
-class _SeededSamples(Dataset):
+class _SeededSamples(_Wrapped):
     """Seeds torch, numpy and random before each sample a DataLoader worker reads, from (seed, train,
     epoch, index). A worker's streams otherwise depend on which samples it read before, which a resumed
     run (workers restarted mid-epoch) or another worker count changes: random draws in `__getitem__`

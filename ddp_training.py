@@ -1172,15 +1172,18 @@ def to_device(batch, device: torch.device, non_blocking: bool):
 _END = object()
 
 
-@torch.no_grad()
-def loader_length(loader) -> Optional[int]:
-    """Batches a loader yields, or None for a stream (no length)."""
+def exact_length(loader) -> Optional[int]:
+    """Batches a loader yields, or None where it does not say for sure: a stream (its __len__, where it has
+    one, is an estimate)."""
+    if isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset):
+        return None
     try:
         return len(loader)
     except TypeError:
         return None
 
 
+@torch.no_grad()
 def evaluate_model(model: nn.Module, loader, loss_fn: LossFn, device: torch.device,
                    autocast=contextlib.nullcontext, non_blocking: bool = False,
                    log: Optional[logging.Logger] = None, backstop_s: Optional[float] = None) -> dict:
@@ -1197,7 +1200,7 @@ def evaluate_model(model: nn.Module, loader, loss_fn: LossFn, device: torch.devi
     extras: dict = {}
     error, failure = None, None
     try:  # no collective inside the loop, so a rank may leave it early; the gather below tells the others
-        batches, expected, read = iter(loader), loader_length(loader), 0
+        batches, expected, read = iter(loader), exact_length(loader), 0
         while True:
             with rt.backstop(backstop_s):
                 batch = next(batches, _END)
@@ -1368,7 +1371,7 @@ class DDPTrainer:
                     rt.log_to_file(self.log, logging.ERROR, "trainer set-up failed", sys.exc_info())
                     if together is not None:
                         rt.log_to_file(self.log, logging.ERROR, str(together))
-                    elif not isinstance(exc, ValueError):  # a failure of this rank's own: its peers, past set-up
+                    elif not isinstance(exc, SETUP_ERRORS):  # a failure of this rank's own: its peers, past set-up
                         # and waiting in the first step, name it instead of a peer lost 'without a word'
                         rt.write_failure_marker(cfg.log_dir, self.env.rank, 0, exc)
                 rt.close_logger(self.log)
@@ -2973,10 +2976,11 @@ class DDPTrainer:
         cfg = self.cfg
         global_batch = self._global_batch()
         batches = self._epoch_batches()
+        # a map-style set's loader is never read past its end; a stream's __len__, if it has one, is an estimate
+        exact = not isinstance(self.train_dataset, torch.utils.data.IterableDataset)
         for i in range(self.step_in_epoch, self.steps_per_epoch):
             try:
-                micro = next_micro_batches(batches, cfg.grad_accum_steps, self.loader_backstop_s,
-                                           self.known_steps_per_epoch is not None)
+                micro = next_micro_batches(batches, cfg.grad_accum_steps, self.loader_backstop_s, exact)
             except StopIteration:  # a stream ran dry; dispatch tells every rank at once
                 break
             except rt.CollectiveFailed as exc:  # dispatch: rank 0 is gone or stuck

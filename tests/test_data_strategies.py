@@ -118,6 +118,22 @@ def test_a_resumed_stream_says_it_starts_again_from_its_first_sample(tmp_path, n
     assert ("reads it from its start, not from where step 5 left it") in (tmp_path / "rank_0.log").read_text()
 
 
+class EstimatedStream(Stream):
+    def __len__(self):
+        return 2 * self.n  # an estimate, twice what it yields
+
+
+def test_a_streams_length_is_an_estimate_whose_end_is_no_error(tmp_path, no_launch_env):
+    """A stream that ended before its __len__ was taken for a bad sample at every later read, until
+    max_errors_per_epoch stopped the run (from a review)."""
+    data = synthetic_lm_data(TrainConfig.from_dict(CFG))
+    cfg = {**CFG, "data_strategy": "dispatch", "max_steps": 12, "log_dir": str(tmp_path)}
+    s = DDPTrainer(config=cfg, model=CausalLM(64, 32, 1, 2, 16), train_dataset=EstimatedStream(data.train, 40),
+                   val_dataset=data.val).train()  # 5 steps a pass: the run reads it 3 times
+    assert (s["status"], s["steps"], s["epochs"]) == ("completed", 12, 2)
+    assert "failed to load" not in (tmp_path / "rank_0.log").read_text()
+
+
 def test_an_iterable_training_set_needs_dispatch(tmp_path, no_launch_env):
     data = synthetic_lm_data(TrainConfig.from_dict(CFG))
     with pytest.raises(ValueError, match="data_strategy dispatch"):

@@ -498,7 +498,26 @@ def test_a_bad_samples_error_names_its_index(workers):
         with pytest.raises(OSError) as failed:
             list(loader)
         assert where in rt.error_text(failed.value), rt.error_text(failed.value)
+        assert loader.dataset.bad == {5}  # the dataset's own attributes, through the wrapper
         del loader
+
+    class KeepsItsError(FlakyData):  # one error object raised again: one note, this read's (they piled up)
+        error = OSError("shard 3 unreadable")
+
+        def __getitem__(self, i):
+            if i % 4 == 1:
+                raise self.error
+            return self.base[i]
+    loader = rt.build_dataloader(KeepsItsError(data.base, ()), 1, train=False, rank=0, world_size=1, seed=0,
+                                 num_workers=workers)
+    texts, batches = [], iter(loader)
+    for _ in range(8):
+        try:
+            next(batches)
+        except OSError as exc:
+            texts.append(" ".join(rt.error_text(exc).split()))  # a worker's: its traceback, the note last
+    assert len(texts) == 2 and texts[0].endswith("OSError: shard 3 unreadable (sample 1)") and \
+        texts[1].endswith("OSError: shard 3 unreadable (sample 5)"), texts
 
 
 def test_distributed_and_single_process_loaders_give_the_same_global_batches():

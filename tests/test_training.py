@@ -450,6 +450,28 @@ def test_evaluate_without_a_validation_set_says_so(tmp_path, no_launch_env):
     assert trainer.evaluate(trainer.train_loader)["loss"] > 0
 
 
+def test_evaluation_keeps_no_graph_and_takes_a_streams_length_for_an_estimate():
+    """evaluate_model once lost its no_grad (a decorator on the wrong function): every batch's graph stayed alive
+    until the mean, memory growing with the set (from a review). A loader over a stream whose __len__ is an
+    estimate is read to its end, which is no early end."""
+    from ddp_training import evaluate_model
+    grad_seen = []
+
+    def loss_fn(model, batch):
+        grad_seen.append(torch.is_grad_enabled())
+        return model(batch).sum(), len(batch)
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __len__(self):
+            return 10  # an estimate: it yields 6
+
+        def __iter__(self):
+            return iter(torch.ones(6, 2))
+    result = evaluate_model(nn.Linear(2, 1), torch.utils.data.DataLoader(Stream(), batch_size=2), loss_fn,
+                            torch.device("cpu"))
+    assert result["count"] == 6 and grad_seen == [False] * 3
+
+
 @pytest.mark.parametrize("returns, message", [
     (lambda s, c: (s, c, {"copy": s.item()}), None),  # a plain number is an extra like a tensor
     (lambda s, c: (s, torch.tensor([c])), None),  # so is a count of shape [1]
