@@ -1580,13 +1580,13 @@ class DispatchLoader:
     it yields exactly the per-rank batches (and failures) of the sharded loader."""
 
     def __init__(self, dataset: Dataset, batch_size: int, *, rank: int, world_size: int, seed: int,
-                 collate_fn=None, **loader_kwargs):
+                 collate_fn=None, peers_wait_s: float = 0.0, **loader_kwargs):
         self.dataset, self.rank, self.world_size = dataset, rank, world_size
         self.collate_fn = collate_fn or torch.utils.data.default_collate
         stream = isinstance(dataset, torch.utils.data.IterableDataset)
-        # a stream's reader runs without workers, and so without a backstop
-        self.backstop_s = None if stream else loader_backstop_s(loader_kwargs.get("num_workers", 0),
-                                                                 loader_kwargs.get("timeout_s"))
+        # a stream's reader runs in this process (no workers): its backstop comes past the peers' wait
+        self.backstop_s = loader_backstop_s(0 if stream else loader_kwargs.get("num_workers", 0),
+                                            loader_kwargs.get("timeout_s"), peers_wait_s)
         parts = _PartsCollate(self.collate_fn, world_size, together=stream)
         self.reader, problem = None, None
         if rank == 0 and not stream and len(dataset) < batch_size * world_size:  # told to every rank, below

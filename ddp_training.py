@@ -1728,7 +1728,7 @@ class DDPTrainer:
             self.train_loader = rt.DispatchLoader(train_dataset, cfg.batch_size, rank=env.rank,
                                                   world_size=env.world_size, seed=cfg.seed, collate_fn=collate_fn,
                                                   num_workers=cfg.num_workers, pin_memory=pin,
-                                                  timeout_s=cfg.loader_timeout)
+                                                  timeout_s=cfg.loader_timeout, peers_wait_s=self._peers_wait_s())
         else:
             self.train_loader = loader(train_dataset, True)
         for name, ds in (("val_dataset", val_dataset), ("test_dataset", test_dataset)):
@@ -1750,8 +1750,11 @@ class DDPTrainer:
 
     def _backstop_s(self, loader) -> Optional[float]:
         """The backstop of a loader of this run's (rt.loader_backstop_s), for its workers or this process."""
-        peers_wait = max(self.cfg.dist_timeout, self.cfg.first_step_timeout)
-        return rt.loader_backstop_s(loader.num_workers, self.cfg.loader_timeout, peers_wait)
+        return rt.loader_backstop_s(loader.num_workers, self.cfg.loader_timeout, self._peers_wait_s())
+
+    def _peers_wait_s(self) -> float:
+        """The longest a rank waits for its peers in a collective."""
+        return max(self.cfg.dist_timeout, self.cfg.first_step_timeout)
 
     def _count_steps(self) -> None:
         """Steps per epoch and in all; a stream's epoch lasts until it ends, its run until max_steps."""

@@ -598,6 +598,32 @@ def test_a_read_that_hangs_in_the_ranks_own_process_fails_at_the_backstop(tmp_pa
     assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL
 
 
+class StreamHangs(torch.utils.data.IterableDataset):
+    """A stream whose source stops answering (a socket without a timeout) after `n` samples."""
+
+    def __init__(self, data, n: int):
+        self.data, self.n = data, n
+
+    def __iter__(self):
+        for i in range(self.n):
+            yield self.data[i]
+        a, b = socket.socketpair()
+        with a, b:
+            a.recv(1)
+
+
+def test_a_stream_that_stops_answering_fails_at_the_backstop(tmp_path, no_launch_env):
+    """Rank 0 reads a stream in its own process: a read that hung held it for good, after the peers had left."""
+    data = synthetic_lm_data(TrainConfig.from_dict(CFG))
+    cfg = cfg_for(tmp_path, data_strategy="dispatch", loader_timeout=0.25, dist_timeout=1.5)
+    trainer = DDPTrainer(rank=0, world_size=1, config=cfg, model=CausalLM(64, 32, 1, 2, 16),
+                         train_dataset=StreamHangs(data.train, 3 * CFG["batch_size"]))
+    assert trainer.train_loader.backstop_s == 1.5
+    with pytest.raises(StepFailed, match=r"step 4 failed on rank 0: .*LoaderStuck: DataLoader timed out: no batch after "
+                                         r"1.5 seconds \(read by rank 0 for rank 0, data_strategy dispatch\)"):
+        trainer.train()
+
+
 class FreezesItsWorker(torch.utils.data.Dataset):
     """Its worker freezes in the second batch, once the first has reached the main process (`received`
     exists): a worker frozen before its queue's feeder thread sent the first batch would hold that too."""
