@@ -1247,7 +1247,9 @@ class _Wrapped(Dataset):
     """A dataset the kit's loaders wrap: `loader.dataset` still has the caller's attributes (its tokens, vocab)."""
 
     def __getattr__(self, name):
-        if name == "dataset":  # not set yet (a worker unpickling this): no recursion
+        # not `dataset` (unset while a worker unpickles this: recursion), nor a protocol the wrapper does not
+        # keep: the DataLoader would call a Subset's __getitems__ with this wrapper's keys
+        if name == "dataset" or name.startswith("__"):
             raise AttributeError(name)
         return getattr(self.dataset, name)
 

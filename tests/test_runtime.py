@@ -500,6 +500,11 @@ def test_a_bad_samples_error_names_its_index(workers):
         assert where in rt.error_text(failed.value), rt.error_text(failed.value)
         assert loader.dataset.bad == {5}  # the dataset's own attributes, through the wrapper
         del loader
+    # a Subset reads many samples at once (__getitems__): its batches come whole, with workers too, where the
+    # wrapper that seeds each sample once handed its own keys to the Subset's __getitems__ (from a review)
+    subset = torch.utils.data.Subset(data.base, range(8))
+    loader = rt.build_dataloader(subset, 4, train=False, rank=0, world_size=1, seed=0, num_workers=workers)
+    assert torch.equal(torch.cat(list(loader)), torch.arange(8.0).unsqueeze(1))
 
     class KeepsItsError(FlakyData):  # one error object raised again: one note, this read's (they piled up)
         error = OSError("shard 3 unreadable")
