@@ -575,20 +575,19 @@ class HangsAtRead(torch.utils.data.Dataset):
         return self.data[i]
 
 
-@pytest.mark.parametrize("where", ["train", "val"])
+@pytest.mark.parametrize("where", ["train", "val", "test"])
 def test_a_read_that_hangs_in_the_ranks_own_process_fails_at_the_backstop(tmp_path, no_launch_env, where):
     """With num_workers=0 nothing ended such a read, nor did a stop signal (read between steps): under srun
     without --kill-on-bad-exit the rank outlived its peers until the job's time limit (from a hunt for hangs).
     The alarm comes at 4 x loader_timeout, or once the peers' wait (dist_timeout) is over, whichever is later."""
     data = synthetic_lm_data(TrainConfig.from_dict(CFG))
-    train, val = data.train, data.val
-    if where == "train":
-        train = HangsAtRead(train, call=3 * CFG["batch_size"])
-    else:
-        val = HangsAtRead(val, call=2)
-    cfg = cfg_for(tmp_path, num_workers=0, loader_timeout=0.25, dist_timeout=1.5, val_interval=4)
-    trainer = DDPTrainer(rank=0, world_size=1, config=cfg, model=CausalLM(64, 32, 1, 2, 16), train_dataset=train,
-                         val_dataset=val)
+    sets = {"train": data.train, "val": data.val, "test": data.val}
+    sets[where] = HangsAtRead(sets[where], call=3 * CFG["batch_size"] if where == "train" else 2)
+    # the first step's wait is the peers' longest: the alarm comes after it
+    cfg = cfg_for(tmp_path, num_workers=0, loader_timeout=0.25, dist_timeout=1, first_step_timeout=1.5,
+                  val_interval=4)
+    trainer = DDPTrainer(rank=0, world_size=1, config=cfg, model=CausalLM(64, 32, 1, 2, 16),
+                         train_dataset=sets["train"], val_dataset=sets["val"], test_dataset=sets["test"])
     assert trainer.loader_backstop_s == 1.5
     t0 = time.time()
     failure = StepFailed if where == "train" else EvaluationFailed
@@ -916,7 +915,8 @@ def test_a_stop_iteration_from_ones_dataset_is_a_bad_sample_not_the_end_of_one_r
     if where == "train":
         assert results == [["completed", 12, 0, 12]] * 2, results  # the same place on both ranks
         log = (tmp_path / "logs" / "rank_0.log").read_text()  # rank 0's line names rank 1's error
-        assert re.search(r"1 batch\(es\) failed to load at step 5 .*; rank 1: data error: StopIteration \(sample \d+ of "
+        assert re.search(r"1 batch\(es\) failed to load at step 5 \(1 this epoch, max 5\); the step uses the other "
+                         r"batches; rank 1: data error: StopIteration \(sample \d+ of "
                          r"the training set\): " + re.escape(cause), log), log
     else:
         assert len(set(results)) == 1 and results[0].startswith("EvaluationFailed: evaluation failed on rank 1: the "
@@ -1087,6 +1087,16 @@ def test_gloos_advice_is_cut_from_a_lost_peers_error(text):
     """gloo's two wordings (a reset, a closed connection) each end in advice for its own bug reports."""
     assert rt.GLOO_ADVICE.split(text)[0].endswith(("Connection reset by peer", "Connection closed by peer "
                                                                             "[127.0.0.1]:21122"))
+
+
+def test_an_abandoned_steps_error_drops_gloos_advice():
+    from types import SimpleNamespace
+    trainer = SimpleNamespace(global_step=3, env=SimpleNamespace(rank=1))
+    lost = RuntimeError("[pair.cc:590] Connection closed by peer [127.0.0.1]:21122. This is typically caused by a "
+                        "remote worker crashing. Check the logs of the remote worker before reporting an error. GLHF!")
+    assert str(DDPTrainer._abandoned(trainer, "data loading failed: x", lost)) == (
+        "step 4 failed on rank 1: data loading failed: x (and the step could not be completed with the other ranks: "
+        "RuntimeError: [pair.cc:590] Connection closed by peer [127.0.0.1]:21122)")
 
 
 def test_a_killed_peer_ends_the_others_with_one_line_and_the_summary_says_why(tmp_path):

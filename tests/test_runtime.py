@@ -147,6 +147,14 @@ def test_srun_tasks_share_their_node_not_the_world(no_slurm_step, monkeypatch):
     rt.detect_launch_env()
     assert os.environ["LOCAL_WORLD_SIZE"] == "3"
     assert rt.capped_workers(8, int(os.environ["LOCAL_WORLD_SIZE"]), 64) == min(8, rt.cpu_count() // 3)
+    # the step's own count, not the job's (a step smaller than the job); a LOCAL_WORLD_SIZE the user set is kept
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "8(x16)")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    rt.detect_launch_env()
+    assert os.environ["LOCAL_WORLD_SIZE"] == "3"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    rt.detect_launch_env()
+    assert os.environ["LOCAL_WORLD_SIZE"] == "2"
 
 
 def test_srun_tasks_take_slurms_share_of_cpus_even_when_bound_to_their_own(no_slurm_step, monkeypatch):
@@ -269,8 +277,14 @@ def test_a_taken_master_port_is_named(no_launch_env, monkeypatch):
     port = holder.getsockname()[1]
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
-    with pytest.raises(ValueError, match=f"MASTER_PORT={port} is taken on this host: rank 0 cannot host"):
+    with pytest.raises(ValueError, match=f"MASTER_PORT={port} is taken on this host: rank 0 cannot host") as taken:
         rt.setup_distributed(0, 2, device="cpu", timeout_s=2)
+    assert "SLURM" not in str(taken.value)
+    monkeypatch.setenv("SLURM_PROCID", "0")  # under srun the port was the runtime's pick, unless set: say how
+    with pytest.raises(ValueError, match=re.escape("to a free port (under SLURM, unset, it is 20000 + (SLURM_JOB_ID "
+                                                   "+ SLURM_STEP_ID) % 20000)")):
+        rt.setup_distributed(0, 2, device="cpu", timeout_s=2)
+    monkeypatch.delenv("SLURM_PROCID")
 
     def hang_up():
         while True:
@@ -286,6 +300,37 @@ def test_a_taken_master_port_is_named(no_launch_env, monkeypatch):
     finally:
         holder.close()
     assert not dist.is_initialized()
+    # nothing there at all: still the set-up timeout, which names the wait and its flag
+    with pytest.raises(rt.SetUpTimeout):
+        rt.setup_distributed(1, 2, device="cpu", timeout_s=2)
+    # another network error of rank 0's (a port it may not take) is no taken port: torch's error goes on
+
+    def refused(*args, **kwargs):
+        raise dist.DistNetworkError("The server socket has failed to bind: Permission denied")
+    monkeypatch.setattr(dist, "rendezvous", refused)
+    with pytest.raises(dist.DistNetworkError, match="Permission denied"):
+        rt.setup_distributed(0, 2, device="cpu", timeout_s=2)
+
+
+def test_a_long_usage_is_a_pointer_to_help_and_a_short_one_is_shown(capsys):
+    """ddp_training.py's usage is dozens of lines: above a flag error it buried the error line (a README audit)."""
+    many = rt.ArgumentParser(prog="long.py")
+    for i in range(40):
+        many.add_argument(f"--flag_number_{i}")
+    few = rt.ArgumentParser(prog="short.py")
+    few.add_argument("--only")
+    for parser, usage in ((many, "usage: long.py [flags] (long.py --help lists them)\n"),
+                          (few, "usage: short.py [-h] [--only ONLY]\n")):
+        with pytest.raises(SystemExit) as exited:
+            parser.parse_args(["--bogus"])
+        assert exited.value.code == 2
+        assert capsys.readouterr().err == f"{usage}{parser.prog}: error: unrecognized arguments: --bogus\n"
+
+
+def test_the_loader_backstop_for_workers_and_for_this_process():
+    assert rt.loader_backstop_s(2, 10, 1800) == 40  # workers: past their own timeout, which answers first
+    assert rt.loader_backstop_s(0, 10, 1800) == 1800 and rt.loader_backstop_s(0, 1000, 1800) == 4000
+    assert rt.loader_backstop_s(0, 10) is None and rt.loader_backstop_s(2, None, 1800) is None
 
 
 def test_two_ranks_on_one_gpu_are_told_what_to_change(no_launch_env, monkeypatch):
@@ -322,6 +367,7 @@ def test_name_hint_tells_other_trainers_names():
     """nanoGPT's --out_dir and Lightning's default_root_dir are our log_dir; a typo gets the close name."""
     flags = ["log_dir", "log-dir", "grad_accum_steps", "max_steps", "nproc"]
     assert rt.name_hint("--out_dir", flags) == " (this kit's name for it: --log_dir)"
+    assert rt.name_hint("--save_dir", flags) == " (this kit's name for it: --log_dir)"
     assert rt.name_hint("default_root_dir", flags) == " (this kit's name for it: log_dir)"
     assert rt.name_hint("--max-iters=5", flags) == " (this kit's name for it: --max_steps)"
     assert rt.name_hint("--log_dri", flags) == " (did you mean --log_dir?)"

@@ -470,6 +470,8 @@ def test_evaluation_keeps_no_graph_and_takes_a_streams_length_for_an_estimate():
     result = evaluate_model(nn.Linear(2, 1), torch.utils.data.DataLoader(Stream(), batch_size=2), loss_fn,
                             torch.device("cpu"))
     assert result["count"] == 6 and grad_seen == [False] * 3
+    # batches of no length at all (a generator)
+    assert evaluate_model(nn.Linear(2, 1), (b for b in torch.ones(3, 2, 2)), loss_fn, torch.device("cpu"))["count"] == 6
 
 
 @pytest.mark.parametrize("returns, message", [
@@ -601,6 +603,11 @@ def test_the_lms_settings_with_a_model_of_ones_own_are_named_unused_and_not_reco
                val_dataset=_classes(16)).train()
     assert ("WARNING: config keys hidden_size, num_heads, dataset_size are the built-in LM's and its data's: with "
             "model= they change nothing") in (tmp_path / "logs" / "rank_0.log").read_text()
+    lm_only = {"seq_len": 0, "vocab_size": 0, "val_fraction": 1.0, "dropout": 1.0, "hidden_size": 5}
+    TrainConfig.from_dict(lm_only, builtin_lm=False)  # none of them is the caller's model's
+    for key, value in lm_only.items():
+        with pytest.raises(ValueError, match=key):
+            TrainConfig.from_dict({key: value})
     saved = yaml.safe_load((tmp_path / "logs" / "config.yaml").read_text())
     assert saved["learning_rate"] == 3e-3 and saved["max_steps"] == 2
     assert not set(saved) & {"hidden_size", "vocab_size", "dataset_size", "seq_len", "data", "val_fraction"}
