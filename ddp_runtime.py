@@ -1531,7 +1531,7 @@ class _TolerantDataset(Dataset):
     bad sample fails only the part that holds it, as it fails only one rank's batch under shard."""
 
     def __init__(self, dataset: Dataset):
-        self.dataset = dataset
+        self.dataset = _NamedSamples(dataset, train=True)  # its error names the sample, as under shard
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -1540,7 +1540,7 @@ class _TolerantDataset(Dataset):
         try:
             return self.dataset[index]
         except Exception as exc:  # reported to the rank whose part it is, in its step
-            return _FailedSample(f"{type(exc).__name__}: {exc} (sample {index} of the training set)")
+            return _FailedSample(error_text(exc))
 
 
 class _PartsCollate:

@@ -2981,6 +2981,9 @@ class DDPTrainer:
         batches = self._epoch_batches()
         # a map-style set's loader is never read past its end; a stream's __len__, if it has one, is an estimate
         exact = not isinstance(self.train_dataset, torch.utils.data.IterableDataset)
+        # a stream of no length ends its epoch when it runs dry: the run's last step ends none (its range is
+        # max_steps)
+        stream = self.known_steps_per_epoch is None
         for i in range(self.step_in_epoch, self.steps_per_epoch):
             try:
                 micro = next_micro_batches(batches, cfg.grad_accum_steps, self.loader_backstop_s, exact)
@@ -2999,8 +3002,6 @@ class DDPTrainer:
             status = self._step_boundary(r, stop_signal)
             if status is not None:
                 return status, False
-            # a stream's epoch ends when the stream does: the run's last step ends none (its range is max_steps)
-            stream = self.known_steps_per_epoch is None
             if self.global_step >= self.total_steps and (i < self.steps_per_epoch - 1 or stream):
                 return None, False
         if self.step_in_epoch == 0:
