@@ -1991,7 +1991,10 @@ class DDPTrainer:
         # a static graph may leave a fixed set unused): no walk of the list in the step otherwise
         if not self.env.is_distributed and not self.static_graph:
             tally.missing = [n for (n, p), g in zip(self.named_params, every) if g is None and p.requires_grad]
-        raw_norm = torch.nn.utils.get_total_norm(grads).double()
+        # no gradients (one process's step lost before its backward): torch's norm of none is a CPU zero, which the
+        # tally's device tensors could not be packed with
+        raw_norm = (torch.nn.utils.get_total_norm(grads).double() if grads else
+                    torch.zeros((), dtype=torch.float64, device=self.env.device))
         # agreed through the all-reduce, not read from each rank's norm: gradients DDP does not average
         # (parameters it ignores) may differ between ranks
         tally.bad_grads = (~torch.isfinite(raw_norm)).double()

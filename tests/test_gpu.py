@@ -10,6 +10,8 @@ without a second GPU. The comparisons follow tests/test_correctness.py, with GPU
 """
 
 import functools
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -18,9 +20,9 @@ import torch
 import ddp_runtime as rt
 from ddp_training import CausalLM, DDPTrainer, lm_loss, peak_bf16_flops
 from conftest import metrics
-from dist_helpers import free_ports
-from test_correctness import (LM, _run_trainer, _two_rank_runs, final_weights, flat_state, rel, spawn_by_value,
-                              step_losses, to_numpy, to_torch)
+from dist_helpers import free_ports, spawn
+from test_correctness import (LM, MIN_BREAK, ONE_RANK_SPECS, TWO_RANK_SPECS, _run_trainer, _two_rank_runs,
+                              final_weights, flat_state, rel, spawn_by_value, step_losses, to_numpy, to_torch)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -53,6 +55,137 @@ def test_nccl_two_gpus_equal_one_gpu_with_twice_the_batch(tmp_path):
     assert rel(final_weights(r0), final_weights(one)) < GPU_WEIGHT_RTOL
     for calls, lasts, buckets in r0["hook"]:
         assert calls == buckets and lasts == 1
+
+
+
+# One GPU lent: two ranks can still share it, each bound to it as `srun --gpus-per-task=1` binds a task to its own
+# (CUDA_VISIBLE_DEVICES of one GPU, seen as cuda:0, and the task's SLURM_LOCALID). gloo takes CUDA tensors, so
+# DDP's reducer, no_sync and the trainer's collectives run on GPU tensors; NCCL refuses two ranks on one GPU.
+SHARED = ("lm_b4", "lm_b2_accum2", "padded_b4")
+
+
+def _one_gpu() -> str:
+    return os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+
+
+def _bound_to_one_gpu(rank: int, world_size: int, fn, *args):
+    os.environ.update(SLURM_LOCALID=str(rank), CUDA_VISIBLE_DEVICES=_one_gpu())
+    return fn(rank, world_size, *args)
+
+
+def _on_gpu(spec: dict, **config) -> dict:
+    return dict(spec, config=dict(spec["config"], device="cuda", use_amp=False, pin_memory=True, **config))
+
+
+@pytest.mark.multi
+def test_two_ranks_bound_to_one_gpu_over_gloo_train_as_one_gpu_with_twice_the_batch(tmp_path):
+    """The cuda_index binding of SLURM tasks (local rank 1 on a task's one visible GPU), and DDP on CUDA
+    tensors: plain, accumulating with no_sync, and without static_graph, each against one GPU with the
+    global batch (the CPU's equivalence tests, tests/test_correctness.py, with GPU tolerances)."""
+    two_specs = [_on_gpu(s, dist_backend="gloo") for s in TWO_RANK_SPECS if s["name"] in SHARED]
+    two = spawn_by_value(_bound_to_one_gpu, 2, _two_rank_runs, str(tmp_path), two_specs, free_ports(len(SHARED) - 1))
+    refs = {s["name"]: to_torch(to_numpy(_run_trainer(0, 1, str(tmp_path), _on_gpu(s))))
+            for s in ONE_RANK_SPECS if s["name"] in ("lm_b8", "padded_b8")}
+    for i, (name, ref) in enumerate(zip(SHARED, ("lm_b8", "lm_b8", "padded_b8"))):
+        r0, r1, one = two[0][i], two[1][i], refs[ref]
+        log = (Path(r1["dir"]) / "logs" / "rank_1.log").read_text()
+        assert "local_rank 1, device cuda:0, backend gloo" in log, log[:2000]
+        assert r0["replica_errors"] == r1["replica_errors"] == [] and r0["digests"] == r1["digests"], name
+        assert torch.equal(torch.stack(r0["grads"]), torch.stack(r1["grads"])), name
+        assert len(r0["grads"]) == len(one["grads"]) > 1, name
+        for step, (g, want) in enumerate(zip(r0["grads"], one["grads"])):
+            tol = GPU_RTOL if step == 0 else GPU_WEIGHT_RTOL  # later steps start from weights that drifted apart
+            assert rel(g, want) < tol, f"{name} step {step + 1}: {rel(g, want):.2e}"
+        assert rel(final_weights(r0), final_weights(one)) < GPU_WEIGHT_RTOL, name
+        assert rel(final_weights(r0), r0["init"]) > 10 * MIN_BREAK, name
+        for calls, lasts, buckets in r0["hook"][1:]:  # one all-reduce per bucket and optimizer step
+            assert calls == buckets and lasts == 1, (name, r0["hook"])
+
+
+def _nccl_set_up(rank: int, world_size: int, root: str):
+    try:
+        DDPTrainer(rank=rank, world_size=world_size, config=dict(GPU_LM, dist_backend="nccl", **_dirs(Path(root))))
+    except rt.SetUpFailed as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.multi
+def test_nccl_names_two_ranks_on_one_gpu_and_what_to_change(tmp_path):
+    """Real NCCL's refusal (tests/test_runtime.py mocks its text): every rank ends set-up with its line."""
+    said = spawn(_bound_to_one_gpu, 2, _nccl_set_up, str(tmp_path), timeout=180)
+    for rank, text in enumerate(said):
+        assert text.startswith(f"rank {rank}: set-up failed: NCCL found two ranks on one GPU (") and \
+               "Duplicate GPU" in text and "--gpus-per-task=1" in text, text
+
+
+
+def _bn_fault_on_the_gpu(rank: int, world_size: int, *args):
+    """tests/test_faults.py's BatchNorm run with an error on rank 1, on the GPU over gloo."""
+    import test_faults
+    test_faults.CFG = dict(test_faults.CFG, device="cuda", dist_backend="gloo")
+    return test_faults._bn_step_error(rank, world_size, *args)
+
+
+def _bound_logs(root: Path) -> None:
+    for rank in (0, 1):
+        log = (root / "logs" / f"rank_{rank}.log").read_text()
+        assert f"local_rank {rank}, device cuda:0, backend gloo" in log, log[:2000]
+
+
+@pytest.mark.multi
+@pytest.mark.parametrize("where, at", [("inside", 3), ("after", 2)],
+                         ids=["inside-the-first-micro-step", "after-the-last-micro-step"])
+def test_out_of_memory_under_ddp_on_the_gpu_is_retried_on_every_rank(tmp_path, where, at):
+    """The replay's switch of DDP's buffer broadcast, and the cache emptied before it, with CUDA tensors: out of
+    memory on rank 1 in or after a BatchNorm model's forward (2 micro-steps a step) is retried by both ranks."""
+    oom = torch.OutOfMemoryError("CUDA out of memory (simulated)")
+    results = spawn(_bound_to_one_gpu, 2, _bn_fault_on_the_gpu, str(tmp_path), oom, where, 2, at, timeout=180)
+    assert results == ["completed 4 steps"] * 2, results
+    _bound_logs(tmp_path)
+    for rank in (0, 1):
+        assert f"retrying step {at - 1} with micro-batches split 2 ways" in \
+            (tmp_path / "logs" / f"rank_{rank}.log").read_text()
+
+
+@pytest.mark.multi
+def test_a_step_error_under_ddp_on_the_gpu_fails_every_rank_alike(tmp_path):
+    """An error after DDP's forward on one rank: the weight-zero replay completes its collectives, and the step
+    fails on both ranks with that rank's error, leaving the interrupt checkpoint."""
+    results = spawn(_bound_to_one_gpu, 2, _bn_fault_on_the_gpu, str(tmp_path), ValueError("injected"), "after",
+                    timeout=180)
+    assert all(r.startswith("StepFailed: step 2 failed on rank 1: ValueError in forward: injected") for r in results), \
+        results
+    _bound_logs(tmp_path)
+    assert (tmp_path / "ckpt" / "model_interrupted.pt").exists()
+
+
+def test_pinning_loader_workers_end_when_train_returns(tmp_path, no_launch_env):
+    """pin_memory with workers on a GPU: the loaders' workers and their pinning threads run during the steps and
+    end with train() (tests/test_training.py checks the workers on the CPU, where nothing is pinned)."""
+    import psutil
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    during = []
+
+    def loss_fn(model, batch):
+        during.append(sorted(t.name for t in threading.enumerate() if "pin_memory" in t.name))
+        return lm_loss(model, batch)
+
+    cfg = dict(hidden_size=32, num_layers=2, num_heads=2, seq_len=32, dataset_size=1024, batch_size=16,
+               max_steps=12, val_interval=6, num_workers=2, pin_memory=True, device="cuda", resume="none",
+               **_dirs(tmp_path))
+    trainer = DDPTrainer(rank=0, world_size=1, config=cfg, loss_fn=loss_fn)
+    summary = trainer.train()
+    assert summary["status"] == "completed" and summary["steps"] == 12 and summary["test_loss"] is not None
+    assert during and all(names for names in during), during[:3]
+
+    def left():
+        procs = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
+                 and p.status() != psutil.STATUS_ZOMBIE]
+        return procs, [t.name for t in threading.enumerate() if "pin_memory" in t.name]
+    assert left() == ([], []), left()
+    assert abs(trainer.evaluate()["loss"] - summary["final_val_loss"]) < 1e-5
+    assert left() == ([], []), left()
 
 
 def _one_step_grads(tmp_path: Path, name: str, **config) -> dict:
