@@ -2181,6 +2181,12 @@ def host_snapshot(obj: Any, memo: Optional[dict] = None, pin: bool = False) -> A
             torch.cuda.synchronize(device)
 
 
+def on_the_host(payload: Any) -> Any:
+    """`payload` with its CUDA tensors copied to the host (tied ones stay tied), for a synchronous torch.save:
+    its file then loads without that GPU, as the background writer's files do; a payload on the host as it is."""
+    return host_snapshot(payload) if cuda_bytes(payload) else payload
+
+
 def cuda_bytes(obj: Any) -> int:
     """Bytes of the CUDA tensors in `obj`."""
     total = 0
@@ -2403,7 +2409,7 @@ class CheckpointWriter:
         """A synchronous write; its failure names the file, as a background write's does (a full disk's
         OSError names none)."""
         try:
-            self._write(payload, path, then)
+            self._write(on_the_host(payload), path, then)
         except CheckpointError:
             raise
         except Exception as exc:

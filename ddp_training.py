@@ -392,9 +392,9 @@ def lm_loss(model: nn.Module, batch, normalization: str = "token"):
     mask = (y != IGNORE_INDEX)
     if normalization == "token":
         return per_token.sum(), mask.sum()
+    # a sample without targets sums to 0: left in the sum (a boolean-mask index would make the host wait for the GPU)
     per_sample = per_token.sum(1) / mask.sum(1).clamp(min=1)
-    has_tokens = mask.any(1)
-    return per_sample[has_tokens].sum(), has_tokens.sum()
+    return per_sample.sum(), mask.any(1).sum()
 
 
 # ----------------------------------------------------------------------------
@@ -760,9 +760,10 @@ def check_loadable(extra: dict, where: str) -> None:
                             f"give tensors, numbers, strings, or lists and dicts of them") from None
 
 
-def loss_terms(out) -> tuple:
-    """What loss_fn returned, checked: (loss_sum, count, extras), each of one element; a mistake is a
-    TypeError that names loss_fn and what it returned (not an error deep inside the step)."""
+def loss_terms(out, device: Optional[torch.device] = None) -> tuple:
+    """What loss_fn returned, checked: (loss_sum, count, extras), each of one element, the extras as float64
+    tensors on `device` (default: the loss's); a mistake is a TypeError that names loss_fn and what it returned
+    (not an error deep inside the step)."""
     def what(x):
         return f"a tensor of shape {tuple(x.shape)}" if torch.is_tensor(x) else type(x).__name__
 
@@ -784,9 +785,20 @@ def loss_terms(out) -> tuple:
     extras = out[2] if len(out) == 3 else {}
     if not isinstance(extras, collections.abc.Mapping):
         raise TypeError(f"loss_fn's extras must be a dict {{name: sum}}, got {what(extras)}")
-    extras = {k: torch.as_tensor(number(v, f"extra {k!r}"), dtype=torch.float64, device=out[0].device)
-              for k, v in extras.items()}
-    return out[0].reshape(()), number(out[1], "count"), extras
+    device = out[0].device if device is None else torch.device(device)
+
+    def on_device(x) -> torch.Tensor:
+        # a number, or a host tensor's value, goes in as a kernel argument: a copy of it to a GPU would wait for
+        # every queued kernel, in each micro-step
+        if torch.is_tensor(x) and x.device != device:
+            x = x.item() if x.device.type == "cpu" else x.to(device)
+        return x.double() if torch.is_tensor(x) else torch.full((), x, dtype=torch.float64, device=device)
+
+    extras = {k: on_device(number(v, f"extra {k!r}")) for k, v in extras.items()}
+    count = number(out[1], "count")
+    if torch.is_tensor(count) and count.device.type == "cpu" and device.type != "cpu":
+        count = float(count.item())  # added as a kernel argument (StepTally.add)
+    return out[0].reshape(()), count, extras
 
 
 def _size(dataset) -> Optional[int]:
@@ -1016,6 +1028,8 @@ class StepTally:
     def add(self, s: torch.Tensor, c, extras: dict) -> None:
         """`c` is a tensor or a Python number: a number is added as a kernel argument, without copying it to
         the device (on a GPU a blocking copy would wait for every queued kernel)."""
+        if s.device != self.loss_sum.device:  # a loss summed on the host (model(x).cpu()): its sync is the user's
+            s = s.to(self.loss_sum.device)
         # a non-finite count (a NaN weight) leaves the loss sum / count of the step non-finite too: skipped alike
         if torch.is_tensor(c):
             c = c.double()
@@ -1211,9 +1225,9 @@ def evaluate_model(model: nn.Module, loader, loss_fn: LossFn, device: torch.devi
             read += 1
             batch = to_device(batch, device, non_blocking)
             with autocast():
-                out = loss_terms(loss_fn(model, batch))
+                out = loss_terms(loss_fn(model, batch), device)
             total[0] += out[0].double()
-            total[1] += torch.as_tensor(out[1], device=device).double()
+            total[1] += out[1].double() if torch.is_tensor(out[1]) else out[1]  # a number: no copy, no wait
             for name, v in out[2].items():
                 extras[name] = extras.get(name, 0.0) + v.double()
     except Exception as exc:
@@ -1825,7 +1839,7 @@ class DDPTrainer:
         kept = BufferSnapshot(self.raw_model).take() if weight == 0 else None
         with sync:
             with self._autocast():
-                out = loss_terms(self.loss_fn(model, batch))
+                out = loss_terms(self.loss_fn(model, batch), self.env.device)
             if kept is not None:
                 kept.put_back()
             # Scaling by a constant that is equal on all ranks keeps DDP's average a plain
@@ -1903,7 +1917,7 @@ class DDPTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             if g["oom"] or nonfinite or count == 0:  # a NaN batch's statistics would poison every evaluation
                 self._restore_buffers()
-            if self.scaler:
+            if self.scaler and grads:  # unscaled above; without gradients the scaler has nothing to learn from
                 self.scaler.update()
             # nothing counted on any rank, though every batch loaded (failed loads are max_errors_per_epoch's)
             empty = count == 0 and not g["oom"] and not g["data_errors"]
@@ -1982,11 +1996,11 @@ class DDPTrainer:
     def _gradients(self, tally: "StepTally") -> tuple:
         """This rank's gradients (unscaled) and their norm, not yet read on the host; whether it is finite
         goes into the tally, so that every rank learns it."""
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)
         # each .grad read is a trip into C++: read them once (the same tensors until zero_grad)
         every = [p.grad for _, p in self.named_params]
         grads = [g for g in every if g is not None]
+        if self.scaler and grads:  # none: one process's step lost before its backward, nothing scaled to undo
+            self.scaler.unscale_(self.optimizer)
         # what one process checks for unused parameters (see _unused_parameters; DDP's reducer checks its own, and
         # a static graph may leave a fixed set unused): no walk of the list in the step otherwise
         if not self.env.is_distributed and not self.static_graph:
@@ -3171,7 +3185,7 @@ class DDPTrainer:
             return
         path = self.checkpoint_path("interrupted")
         try:
-            rt.atomic_save(self.checkpoint_payload(), path)
+            rt.atomic_save(rt.on_the_host(self.checkpoint_payload()), path)
             self.log.info("saved the last good weights to %s", path)
         except Exception as exc:  # the step's failure is the error to raise; this one is only logged
             self.log.error("could not save the last good weights to %s: %s: %s", path, type(exc).__name__, exc)

@@ -1539,6 +1539,46 @@ class CountedLoss:
         return nn.functional.mse_loss(out, batch["y"], reduction="sum"), batch["n"]
 
 
+
+class LossFailsAt:
+    """lm_loss, raising `error` before the forward of the `at`-th training micro-step: no backward on that step."""
+
+    def __init__(self, at: int, error: Exception):
+        self.at, self.error, self.calls = at, error, 0
+
+    def __call__(self, model, batch):
+        self.calls += model.training
+        if model.training and self.calls == self.at:
+            raise self.error
+        return lm_loss(model, batch)
+
+
+@pytest.mark.parametrize("at", [1, 3], ids=["at-the-first-step", "at-step-3"])
+def test_fp16_one_process_out_of_memory_before_any_backward_is_retried(tmp_path, no_launch_env, cpu_fp16, at):
+    """fp16's GradScaler (CUDA's path, on the CPU): one process stops a step lost before its backward, with no
+    gradients. Unscaling none (at step 1 before any scale: "Attempted unscale_ but _scale is None") and updating
+    the scale with no inf check recorded raised GradScaler's AssertionError instead of the retry."""
+    cpu_fp16(init_scale=2.0 ** 8)
+    trainer = DDPTrainer(rank=0, world_size=1, config=cfg_for(tmp_path, use_amp=True, max_steps=4),
+                         loss_fn=LossFailsAt(at, torch.OutOfMemoryError("CUDA out of memory (simulated)")))
+    assert trainer.scaler is not None
+    summary = trainer.train()
+    assert (summary["status"], summary["steps"], summary["skipped_steps"]) == ("completed", 4, 0)
+    assert f"retrying step {at} with micro-batches split 2 ways" in (tmp_path / "logs" / "rank_0.log").read_text()
+    assert trainer.scaler.get_scale() == 2.0 ** 8  # the lost attempt taught the scaler nothing
+
+
+def test_fp16_one_process_error_in_the_first_forward_is_the_steps_failure(tmp_path, no_launch_env, cpu_fp16):
+    """The same path with loss_fn's own error at step 1: the run fails with it (and the weights are saved), not
+    with GradScaler's AssertionError."""
+    cpu_fp16(init_scale=2.0 ** 8)
+    trainer = DDPTrainer(rank=0, world_size=1, config=cfg_for(tmp_path, use_amp=True, max_steps=4),
+                         loss_fn=LossFailsAt(1, ValueError("injected")))
+    with pytest.raises(StepFailed, match="step 1 failed on rank 0: ValueError in forward: injected"):
+        trainer.train()
+    assert (tmp_path / "ckpt" / "model_interrupted.pt").exists()
+
+
 def test_out_of_memory_with_a_count_for_the_whole_batch_stops_instead_of_halving_the_loss(tmp_path, no_launch_env):
     """Split in two for the retry, each half kept the whole batch's count: the loss and gradients were halved
     for the rest of the run without a word (found by a review of user data pipelines)."""
