@@ -474,6 +474,21 @@ def test_evaluation_keeps_no_graph_and_takes_a_streams_length_for_an_estimate():
     assert evaluate_model(nn.Linear(2, 1), (b for b in torch.ones(3, 2, 2)), loss_fn, torch.device("cpu"))["count"] == 6
 
 
+def test_counts_and_extras_given_as_numbers_keep_float64_precision():
+    """loss_terms gives the extras as float64 tensors, and an evaluation adds a count given as a number as it is:
+    2**24 + 1 is no float32, and a float32 tensor of it (torch.as_tensor(number), torch.full with no dtype) lost
+    the 1 (found by mutation testing of the kit's host-sync changes)."""
+    from ddp_training import evaluate_model, loss_terms
+    big = 2.0 ** 24 + 1
+    _, count, extras = loss_terms((torch.zeros(()), big, {"n": big, "i": torch.tensor(3, dtype=torch.int32),
+                                                           "f": torch.tensor(0.5)}), torch.device("cpu"))
+    assert count == big and {k: (v.dtype, v.item()) for k, v in extras.items()} == {
+        "n": (torch.float64, big), "i": (torch.float64, 3.0), "f": (torch.float64, 0.5)}
+    result = evaluate_model(nn.Linear(2, 1), [torch.ones(1, 2)], lambda m, b: (m(b).sum() * 0, big, {"n": big}),
+                            torch.device("cpu"))
+    assert (result["count"], result["n"]) == (big, 1.0)
+
+
 @pytest.mark.parametrize("returns, message", [
     (lambda s, c: (s, c, {"copy": s.item()}), None),  # a plain number is an extra like a tensor
     (lambda s, c: (s, torch.tensor([c])), None),  # so is a count of shape [1]
