@@ -765,10 +765,12 @@ def loss_terms(out, device: Optional[torch.device] = None) -> tuple:
     tensors on `device` (default: the loss's); a mistake is a TypeError that names loss_fn and what it returned
     (not an error deep inside the step)."""
     def what(x):
-        return f"a tensor of shape {tuple(x.shape)}" if torch.is_tensor(x) else type(x).__name__
+        if torch.is_tensor(x):
+            return f"a {'complex ' if x.is_complex() else ''}tensor of shape {tuple(x.shape)}"
+        return type(x).__name__
 
     def number(x, role: str):
-        if torch.is_tensor(x) and x.numel() == 1:
+        if torch.is_tensor(x) and x.numel() == 1 and not x.is_complex():
             return x.reshape(())
         if isinstance(x, np.ndarray) and x.size == 1:
             x = x.item()
@@ -787,18 +789,22 @@ def loss_terms(out, device: Optional[torch.device] = None) -> tuple:
         raise TypeError(f"loss_fn's extras must be a dict {{name: sum}}, got {what(extras)}")
     device = out[0].device if device is None else torch.device(device)
 
-    def on_device(x) -> torch.Tensor:
-        # a number, or a host tensor's value, goes in as a kernel argument: a copy of it to a GPU would wait for
-        # every queued kernel, in each micro-step
-        if torch.is_tensor(x) and x.device != device:
-            x = x.item() if x.device.type == "cpu" else x.to(device)
+    def here(x):
+        """x on `device`, or a number. A pageable host tensor's value goes in as a kernel argument: a blocking
+        copy of it to a GPU would wait for every queued kernel, in each micro-step. A pinned one (what a
+        non_blocking copy from the GPU gives) may still be filling: it is copied in the stream's order."""
+        if not torch.is_tensor(x) or x.device == device:
+            return x
+        if x.device.type == "cpu" and not x.is_pinned():
+            return float(x.item())
+        return x.to(device, non_blocking=True)
+
+    def extra(x) -> torch.Tensor:
+        x = here(x)
         return x.double() if torch.is_tensor(x) else torch.full((), x, dtype=torch.float64, device=device)
 
-    extras = {k: on_device(number(v, f"extra {k!r}")) for k, v in extras.items()}
-    count = number(out[1], "count")
-    if torch.is_tensor(count) and count.device.type == "cpu" and device.type != "cpu":
-        count = float(count.item())  # added as a kernel argument (StepTally.add)
-    return out[0].reshape(()), count, extras
+    extras = {k: extra(number(v, f"extra {k!r}")) for k, v in extras.items()}
+    return out[0].reshape(()), here(number(out[1], "count")), extras
 
 
 def _size(dataset) -> Optional[int]:

@@ -47,7 +47,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 torch.version.cuda, "nccl", torch.cuda.nccl.version(), "gpus", torch.cuda.device_count())' || status=1
 
 if [[ $tests -eq 1 ]]; then
-    # one test at a time (-n 0): the out-of-memory test sizes its request by the whole card
+    # one test at a time (-n 0): the out-of-memory test sizes its request by the whole card (a test hung past
+    # pytest.ini's timeout then ends pytest, and the steps below run)
     step pytest_gpu "$py" -m pytest -m gpu -n 0 -v -p no:cacheprovider --durations=12
     # A previous check's runs: the trainers would resume them, or find them finished and train nothing (exit 0)
     rm -rf -- "$out/lm_test" "$out/vj2_test"

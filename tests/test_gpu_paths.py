@@ -17,7 +17,7 @@ import torch.nn as nn
 import ddp_runtime as rt
 import ddp_training
 from ddp_training import CausalLM, DDPTrainer, evaluate_model, lm_loss
-from conftest import REPO, clean_env
+from conftest import REPO, clean_env, metrics
 from test_gpu import GPU_LM, _dirs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -102,6 +102,30 @@ def _syncs_in_accumulate(root: Path, kind: str, micro: int = 4) -> tuple:
         return syncs, packed.device.type
     finally:
         trainer.close()
+
+
+def test_the_sync_counter_sees_a_sync():
+    """The counter the tests below compare: it must see a sync where there is one, or they would pass as 0 == 0."""
+    _, syncs = count_syncs(lambda: torch.ones((), device=DEVICE).item())
+    assert syncs >= 1
+
+
+def test_a_count_copied_to_the_host_without_waiting_is_taken_once_it_has_arrived(tmp_path, no_launch_env):
+    """A count and an extra that loss_fn copies to the host with non_blocking=True land in pinned memory, perhaps
+    after loss_fn returns: they go to the device in the stream's order, not read at once (a read of a pinned
+    tensor still filling gives what was there before: a count of 0 would skip the step)."""
+    def loss_fn(model, batch):
+        x, y = batch
+        err = model(x) - y
+        n = torch.full((), float(len(x)), device=x.device)
+        torch.cuda._sleep(20_000_000)  # the copies queue behind some milliseconds of GPU work
+        return (err ** 2).sum(), n.to("cpu", non_blocking=True), {"n": n.to("cpu", non_blocking=True)}
+
+    summary = DDPTrainer(rank=0, world_size=1, loss_fn=loss_fn, model=nn.Linear(8, 1), train_dataset=Points(),
+                         val_dataset=Points(16), config=dict(batch_size=8, max_steps=4, val_interval=4, log_interval=1,
+                                                             device=DEVICE, resume="none", **_dirs(tmp_path))).train()
+    assert (summary["status"], summary["steps"], summary["skipped_steps"]) == ("completed", 4, 0)
+    assert [r["n"] for r in metrics(tmp_path / "logs", "train")] == [1.0] * 4 and summary["final_val_n"] == 1.0
 
 
 @pytest.mark.parametrize("kind", ["numbers", "cpu extras", "cpu count"])

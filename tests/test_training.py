@@ -500,6 +500,8 @@ def test_counts_and_extras_given_as_numbers_keep_float64_precision():
     (lambda s, c: (s, c, {"e": s.repeat(2)}), r"loss_fn's extra 'e' must be a number or a tensor of one element, "
                                               r"got a tensor of shape \(2,\)"),
     (lambda s, c: (s, "many"), r"loss_fn's count must be a number or a tensor of one element, got str"),
+    (lambda s, c: (s, c + 0j), r"loss_fn's count must be a number or a tensor of one element, got a complex tensor "
+                               r"of shape \(\)"),
 ])
 def test_what_loss_fn_returns_is_checked_and_named(tmp_path, no_launch_env, returns, message):
     """A mistake in loss_fn's return value surfaced as an error deep inside the step (a 0-d tensor indexed,
