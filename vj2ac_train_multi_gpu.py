@@ -650,11 +650,12 @@ def evaluate(args, launch):
     env = rt.setup_distributed(launch["rank"], launch["world_size"], launch["local_rank"], args.dist_backend,
                                args.device, args.dist_timeout)
     try:
+        gpu = env.device.type == "cuda"  # pinned batches, copied without blocking, as the trainer's
         loader = rt.build_dataloader(val_set, args.batch_size, train=False, rank=env.rank,
                                      world_size=env.world_size, seed=args.seed, num_workers=args.num_workers,
-                                     timeout_s=args.loader_timeout)
+                                     timeout_s=args.loader_timeout, pin_memory=gpu)
         loss_fn = partial(vj2_loss, rollout_horizon=args.rollout_horizon)
-        result = evaluate_model(predictor.to(env.device), loader, loss_fn, env.device,
+        result = evaluate_model(predictor.to(env.device), loader, loss_fn, env.device, non_blocking=gpu,
                                 log=_console_log("traceback", args.debug))
     except EvaluationFailed as exc:
         if args.debug:
