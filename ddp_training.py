@@ -1924,7 +1924,8 @@ class DDPTrainer:
             if g["oom"] or nonfinite or count == 0:  # a NaN batch's statistics would poison every evaluation
                 self._restore_buffers()
             if self.scaler and grads:  # unscaled above; without gradients the scaler has nothing to learn from
-                self.scaler.update()
+                # an attempt retried after out of memory is no step: its scale and growth count stay as they were
+                self.scaler.update(self.scaler.get_scale() if g["oom"] else None)
             # nothing counted on any rank, though every batch loaded (failed loads are max_errors_per_epoch's)
             empty = count == 0 and not g["oom"] and not g["data_errors"]
             result.update(skipped=True, nonfinite=nonfinite, empty=empty, grad_norm=float("nan"),

@@ -1568,6 +1568,27 @@ def test_fp16_one_process_out_of_memory_before_any_backward_is_retried(tmp_path,
     assert trainer.scaler.get_scale() == 2.0 ** 8  # the lost attempt taught the scaler nothing
 
 
+
+def _fp16_out_of_memory_on_rank_1(rank, world_size, root):
+    import ddp_training
+    real = torch.amp.GradScaler  # conftest's cpu_fp16, in this rank's process; the scale doubles at every step
+    ddp_training.amp_dtype_for = lambda cfg, device: torch.float16
+    torch.amp.GradScaler = lambda *a, **k: real("cpu", init_scale=4.0, growth_interval=1)
+    oom = LossFailsAt(2, torch.OutOfMemoryError("CUDA out of memory (simulated)"))
+    trainer = DDPTrainer(rank=rank, world_size=world_size, loss_fn=oom if rank == 1 else lm_loss,
+                         config=cfg_for(root, use_amp=True, max_steps=4, dist_timeout=20))
+    summary = trainer.train()
+    return summary["steps"], summary["skipped_steps"], trainer.scaler.get_scale()
+
+
+def test_fp16_an_attempt_retried_after_out_of_memory_leaves_the_scale_alone(tmp_path):
+    """Out of memory on rank 1 at step 2, retried by both ranks: the failed attempt (rank 1's weight-zero replay
+    has gradients) is no step, and does not grow GradScaler's scale; 4 steps double it 4 times, as in one process."""
+    results = spawn(_fp16_out_of_memory_on_rank_1, 2, str(tmp_path), timeout=120)
+    assert results == [(4, 0, 4.0 * 2 ** 4)] * 2, results
+    assert "retrying step 2 with micro-batches split 2 ways" in (tmp_path / "logs" / "rank_1.log").read_text()
+
+
 def test_fp16_one_process_error_in_the_first_forward_is_the_steps_failure(tmp_path, no_launch_env, cpu_fp16):
     """The same path with loss_fn's own error at step 1: the run fails with it (and the weights are saved), not
     with GradScaler's AssertionError."""
