@@ -709,7 +709,7 @@ LossFn = Callable[[nn.Module, Any], tuple]
 # so would replace the loss that early stopping and the best checkpoint read, the step number or a memory
 # reading. The validation record's fields start with VAL_PREFIX (val_loss, val_<extra>): a train extra named
 # so would be read as them.
-RECORD_FIELDS = frozenset({"type", "step", "epoch", "loss", "count", "mfu", "lr", "grad_norm", "samples_per_s",
+RECORD_FIELDS = frozenset({"type", "step", "epoch", "loss", "count", "mfu", "lr", "lrs", "grad_norm", "samples_per_s",
                            "skipped", "time", "steps_per_epoch", "loss_floor"}) | rt.MEMORY_FIELDS
 VAL_PREFIX = "val_"
 
@@ -1913,8 +1913,9 @@ class DDPTrainer:
                                 f"a count is a number of items or a sum of weights, never negative")
         # the rate this step uses (read before the scheduler moves it on), whether it is taken or skipped
         per = count or 1.0  # a count may be a sum of weights below 1; none (0) is a skipped step, below
+        lrs = [group["lr"] for group in self.optimizer.param_groups]
         result = {"count": count, "loss": g["loss"] / per, "stop": g["stop"] > 0,
-                  "lr": self.optimizer.param_groups[0]["lr"], "write_failed": g["write_failed"] > 0,
+                  "lr": lrs[0], "lrs": lrs if len(set(lrs)) > 1 else None, "write_failed": g["write_failed"] > 0,
                   "metrics_failed": g["metrics_failed"] > 0,
                   "extras": {n: v / per for n, v in zip(names, g["extras"])}}
         scaler_overflow = self.scaler is not None and g["bad_grads"] > 0  # with a GradScaler, its normal business
@@ -3259,7 +3260,7 @@ class DDPTrainer:
         mfu = None if self.mfu_per_unit is None else self.mfu_per_unit * count / step_time
         record = {"type": "train", "step": self.global_step, "epoch": self.epoch, "loss": r["loss"],
                   **({"mfu": mfu} if mfu is not None else {}),
-                  **r["extras"], "lr": r["lr"],
+                  **r["extras"], "lr": r["lr"], **({"lrs": r["lrs"]} if r["lrs"] else {}),
                   "grad_norm": r["grad_norm"],
                   "samples_per_s": global_batch / step_time, f"{self.count_unit}_per_s": count / step_time,
                   "skipped": r["skipped"], "time": time.monotonic() - self.t0}

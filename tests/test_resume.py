@@ -961,6 +961,22 @@ def test_an_optimizer_of_ones_own_follows_the_schedule_and_resumes_bit_identical
     assert_bit_identical(final_weights(tmp_path / "stopped"), final_weights(tmp_path / "sgd"))
 
 
+
+def test_groups_of_different_learning_rates_are_each_recorded(tmp_path, no_launch_env):
+    """An optimizer whose groups train at different rates (a head at 10x, layer-wise decay): each step's record
+    has them all (`lrs`, in the optimizer's group order) beside `lr`, group 0's; groups at one rate record `lr`
+    alone."""
+    def two_rates(groups):
+        return torch.optim.AdamW([groups[0], dict(groups[1], lr=groups[1]["lr"] * 10)])
+    DDPTrainer(config=cfg_for(tmp_path / "two", max_steps=6), optimizer=two_rates).train()
+    records = metrics(tmp_path / "two" / "logs", "train")
+    assert len(records) == 6 and all(r["lrs"][0] == r["lr"] and r["lrs"][1] == pytest.approx(10 * r["lr"], rel=1e-12)
+                                     for r in records), records
+    assert len({r["lr"] for r in records}) > 1  # the schedule moved both
+    DDPTrainer(config=cfg_for(tmp_path / "one", max_steps=2)).train()
+    assert all("lrs" not in r for r in metrics(tmp_path / "one" / "logs", "train"))
+
+
 def test_a_state_resumes_only_into_its_own_optimizer(tmp_path, no_launch_env):
     """AdamW's moments loaded into SGD would be dropped without a word (and its momentum start from zero)."""
     DDPTrainer(config=cfg_for(tmp_path, max_steps=5)).train()
