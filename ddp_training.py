@@ -2847,7 +2847,10 @@ class DDPTrainer:
         except BaseException as exc:
             if isinstance(exc, Exception) and not isinstance(exc, StepFailed) and is_collective_error(exc):
                 # a peer failed outside a training step (a save, the test set's evaluation): name it, at the step
-                # it came after, not the next one, which never began
+                # it came after, not the next one, which never began; that step's weights are whole, and a save
+                # point's collective save is what failed: rank 0 keeps them alone, as after a failed step
+                if self.stepped:
+                    self._save_weights_here()
                 explained = self._explain_failure(exc, f"after step {self.global_step}")
                 rt.log_failure(self.log, f"training failed after step {self.global_step}: {explained}", exc)
                 raise explained from exc

@@ -201,6 +201,30 @@ def test_a_peer_killed_in_validation_is_named_as_lost_there_and_rank_0_keeps_the
     assert saved["global_step"] == 4
 
 
+
+def _killed_before_the_save_point(rank, world_size, root):
+    def after_step(model, step):
+        if rank == 1 and step == 4:  # past step 4's collectives, before its save point's
+            os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        DDPTrainer(rank=rank, world_size=world_size, after_step=after_step,
+                   config=cfg_for(root, save_every_iters=4, max_steps=8, dist_timeout=20)).train()
+        return "completed"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_a_peer_lost_at_a_save_point_leaves_rank_0_the_weights_of_that_step(tmp_path):
+    """Rank 1 killed between step 4 and its save point: the collective save fails on rank 0, which wrote nothing,
+    and the run's only steps were lost (from a hunt for hangs). Rank 0 now keeps step 4's weights on its own."""
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] did not report \(exit codes \{1: -9\}.*StepFailed: after "
+                                           r"step 4: a peer was lost \("):
+        spawn(_killed_before_the_save_point, 2, str(tmp_path), timeout=60)
+    saved = torch.load(tmp_path / "ckpt" / "model_interrupted.pt", weights_only=True)
+    assert saved["global_step"] == 4
+    assert "saved the last good weights to" in (tmp_path / "logs" / "rank_0.log").read_text()
+
+
 def test_an_extra_metric_on_one_rank_only_is_named_on_every_rank(tmp_path):
     # the step's all-reduce packs the extras by name: an unannounced one must not change its size on one rank
     r0, r1 = spawn(_run, 2, str(tmp_path), 1, 3, "new_extra", timeout=60)
