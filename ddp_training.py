@@ -797,7 +797,7 @@ def loss_terms(out, device: Optional[torch.device] = None) -> tuple:
             return x
         if x.device.type == "cpu" and not x.is_pinned():
             return float(x.item())
-        return x.to(device, non_blocking=True)
+        return x.to(device, non_blocking=device.type != "cpu")  # to the host: read at once, so waited for
 
     def extra(x) -> torch.Tensor:
         x = here(x)
