@@ -1565,6 +1565,7 @@ class DDPTrainer:
         self.writer = rt.CheckpointWriter(cfg.async_checkpoint, self.log, pin=self.non_blocking, wait_s=wait_s)
         self.mfu_per_unit = self._mfu_per_unit()
         self.stepped = False  # this process completed a step (DDP has seen a whole backward)
+        self.updating = False  # in the optimizer's step or after_step: the weights are no step's whole ones
         self._metrics_file = None
         # why rank 0 could not append to metrics.jsonl, once it could not: every rank stops on it (see
         # _stop_for_the_metrics)
@@ -2066,6 +2067,7 @@ class DDPTrainer:
         # clip * (1 / x), not clip / x: the rounding of the runs and states made before this code (bit-identical)
         coef = factor * (min(self.cfg.grad_clip * (1.0 / (norm + 1e-6)), 1.0) if self.cfg.grad_clip > 0 else 1.0)
         torch._foreach_mul_(grads, coef)
+        self.updating = True  # until after_step returns (a failure in between leaves no step's weights)
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -2076,6 +2078,7 @@ class DDPTrainer:
         if self.after_step is not None:  # an EMA of the weights, say: on every rank, after each applied update
             with torch.no_grad():
                 self.after_step(self.raw_model, self.global_step + 1)
+        self.updating = False
         return norm
 
     def _skip_in_schedule(self) -> None:
@@ -3074,8 +3077,12 @@ class DDPTrainer:
             raise
         except Exception as exc:
             if is_collective_error(exc):  # a peer died or hung: say which and where, then fail
-                self._restore_buffers()
-                self._save_weights_here()
+                if self.updating:  # in the optimizer's step or after_step: the last save point's files are it
+                    self.log.error("step %d failed in its update: no last good weights to save",
+                                   self.global_step + 1)
+                else:
+                    self._restore_buffers()
+                    self._save_weights_here()
                 raise self._explain_failure(exc) from exc
             # this rank's own error past the step's agreement (in optimizer.step, say): the marker names it
             # to the others, who meet it at their next collective; these weights may be half-updated
@@ -3194,6 +3201,8 @@ class DDPTrainer:
         collective has not reached the optimizer, so these are the last good weights."""
         if not self.env.is_main:
             return
+        # the writes this rank queued first (this failure's own interrupted save, say): two writers of one file race
+        self.writer.close(self.cfg.dist_timeout)
         path = self.checkpoint_path("interrupted")
         try:
             rt.atomic_save(rt.on_the_host(self.checkpoint_payload()), path)

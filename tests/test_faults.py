@@ -11,6 +11,7 @@ import re
 import signal
 import socket
 import sys
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -223,6 +224,66 @@ def test_a_peer_lost_at_a_save_point_leaves_rank_0_the_weights_of_that_step(tmp_
     saved = torch.load(tmp_path / "ckpt" / "model_interrupted.pt", weights_only=True)
     assert saved["global_step"] == 4
     assert "saved the last good weights to" in (tmp_path / "logs" / "rank_0.log").read_text()
+
+
+
+def _peer_lost_in_after_step(rank, world_size, root):
+    def after_step(model, step):
+        if step == 4:  # a collective of the user's own (an EMA agreed across ranks), whose peer dies
+            if rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            torch.distributed.barrier()
+    try:
+        DDPTrainer(rank=rank, world_size=world_size, after_step=after_step,
+                   config=cfg_for(root, save_every_iters=3, max_steps=8, dist_timeout=20)).train()
+        return "completed"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_a_peer_lost_in_the_update_saves_no_weights_as_the_last_good_ones(tmp_path):
+    """A collective failure in after_step (or the optimizer's step) comes after the update: rank 0 saved those
+    weights, perhaps half-changed by after_step, as step 3's last good ones (found by a review). The last save
+    point's files (step 3) are the ones to resume from; nothing else is written."""
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] did not report .*StepFailed: step 4: a peer was lost"):
+        spawn(_peer_lost_in_after_step, 2, str(tmp_path), timeout=60)
+    assert not (tmp_path / "ckpt" / "model_interrupted.pt").exists()
+    assert (tmp_path / "ckpt" / "model_state_step_3.pt").exists()
+    assert "step 4 failed in its update: no last good weights to save" in \
+        (tmp_path / "logs" / "rank_0.log").read_text()
+
+
+def _stop_then_peer_lost_in_its_save(rank, world_size, root):
+    from test_resume import SignalAt
+    if rank == 1:  # dies in the stop's collective save, once rank 0 has queued its interrupted weights
+        DDPTrainer.save_state = lambda self: os.kill(os.getpid(), signal.SIGKILL)
+    else:  # and rank 0's writer is slow: still writing them when the failure comes
+        real_save = torch.save
+
+        def slow_save(obj, f, *a, **k):
+            real_save(obj, f, *a, **k)
+            if threading.current_thread().name == "checkpoint-writer":
+                time.sleep(3)
+        torch.save = slow_save
+    try:
+        DDPTrainer(rank=rank, world_size=world_size, loss_fn=SignalAt(4) if rank == 0 else lm_loss,
+                   config=cfg_for(root, max_steps=8, dist_timeout=20)).train()
+        return "completed"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_a_peer_lost_in_a_stops_save_leaves_one_whole_interrupted_file(tmp_path):
+    """A stop at step 4 queues the interrupted weights for rank 0's writer; a peer then lost in the stop's
+    collective save made rank 0 write the same file from the training thread too: the two writers raced for one
+    temp file, one failed, and its clean-up took the other's checksum (found by a review). The queued write now
+    finishes first."""
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] did not report .*StepFailed: after step 4: a peer was lost"):
+        spawn(_stop_then_peer_lost_in_its_save, 2, str(tmp_path), timeout=90)
+    log = (tmp_path / "logs" / "rank_0.log").read_text()
+    assert "model_interrupted.pt failed" not in log, log[-3000:]
+    assert (tmp_path / "ckpt" / "model_interrupted.pt.sha256").exists()
+    assert rt.load_checkpoint(tmp_path / "ckpt" / "model_interrupted.pt")["global_step"] == 4
 
 
 def test_an_extra_metric_on_one_rank_only_is_named_on_every_rank(tmp_path):
