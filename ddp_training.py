@@ -3057,6 +3057,7 @@ class DDPTrainer:
         on any; a failure leaves what its kind calls for (a marker, the weights) and raises."""
         cfg = self.cfg
         first = not self.stepped
+        self.updating = False  # an earlier train() of this trainer may have failed in its update
         try:
             micro = self._split_micro_batches(micro, self.micro_splits)
             r = self._train_step(micro, stop_signal)
