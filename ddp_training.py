@@ -2723,6 +2723,8 @@ class DDPTrainer:
                 if (isinstance(value, (int, float)) and not isinstance(value, bool)
                         and key not in ("step", "type", "steps_per_epoch")):
                     self._tb.add_scalar(f"{record['type']}/{key}", value, record["step"])
+            for group, lr in enumerate(record.get("lrs", ())):  # one curve per parameter group
+                self._tb.add_scalar(f"{record['type']}/lr_group_{group}", lr, record["step"])
 
     @staticmethod
     def _tensorboard_writer():

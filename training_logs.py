@@ -177,6 +177,9 @@ def parse_line(path: Path, lineno: int, line: bytes, last: bool) -> Optional[dic
     if isinstance(step, bool) or not isinstance(step, int):
         warn(f"{path}:{lineno}: step {step!r} is not a whole number; record skipped")
         return None
+    lrs = rec.get("lrs")
+    if isinstance(lrs, list):  # the rate of each parameter group, where they differ: a curve each
+        rec.update({f"lr_group_{group}": lr for group, lr in enumerate(lrs)})
     return rec
 
 

@@ -2786,10 +2786,16 @@ def test_tensorboard_writes_the_same_scalars(tmp_path, no_launch_env, monkeypatc
     fake = types.ModuleType("torch.utils.tensorboard")
     fake.SummaryWriter = FakeWriter
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
-    DDPTrainer(config={**QUICK, **dirs(tmp_path), "max_steps": 3, "tensorboard": True}).train()
-    losses = [(s, v) for t, v, s in (w for w in written if w != "closed") if t == "train/loss"]
+    def two_rates(groups):  # the groups' own rates (metrics' lrs) come as one curve each
+        return torch.optim.AdamW([groups[0], dict(groups[1], lr=groups[1]["lr"] * 10)])
+    DDPTrainer(config={**QUICK, **dirs(tmp_path), "max_steps": 3, "tensorboard": True}, optimizer=two_rates).train()
+    scalars = [w for w in written if w != "closed"]
     train = metrics(tmp_path / "logs", "train")
-    assert losses == [(r["step"], r["loss"]) for r in train] and written[-1] == "closed"
+    assert [(s, v) for t, v, s in scalars if t == "train/loss"] == [(r["step"], r["loss"]) for r in train]
+    for group in (0, 1):
+        assert [(s, v) for t, v, s in scalars if t == f"train/lr_group_{group}"] == \
+            [(r["step"], r["lrs"][group]) for r in train]
+    assert written[-1] == "closed"
 
 
 if __name__ == "__main__":

@@ -321,6 +321,20 @@ def train_recs(steps, spe, t0=0.0, dt=1.0):
              "samples_per_s": 100.0, "time": t0 + dt * (i + 1)} for i, s in enumerate(steps)]
 
 
+
+def test_the_rates_of_parameter_groups_are_curves_of_their_own(tmp_path):
+    """The trainer's `lrs` (each group's rate, where they differ) become lr_group_N curves, plotted like lr."""
+    recs = train_recs(range(1, 5), 10)
+    for r in recs:
+        r["lrs"] = [r["lr"], 10 * r["lr"]]
+    run = tl.load_run(write_run(tmp_path / "run", recs))
+    assert {"lr", "lr_group_0", "lr_group_1"} <= set(tl.available_metrics([run]))
+    assert tl.series(run, "lr_group_1") == ([1, 2, 3, 4], [1e-2] * 4)
+    out = tmp_path / "lr.png"
+    assert tl.main(["plot", str(tmp_path / "run"), "--metrics", "lr_group_0,lr_group_1", "-o", str(out)]) == 0
+    assert out.stat().st_size > 0
+
+
 def test_an_incomplete_run_takes_its_best_loss_and_peak_memory_from_any_record(tmp_path, capsys):
     """The best validation and the memory peak in the middle of the run, not at its end (a resume at step 4
     started the peaks again)."""
