@@ -203,16 +203,21 @@ def test_a_peer_killed_in_validation_is_named_as_lost_there_and_rank_0_keeps_the
 
 
 
+def _outcome(rank, world_size, config, **kwargs) -> str:
+    """How one rank's run ended: "completed", or its error as "Type: message"."""
+    try:
+        DDPTrainer(rank=rank, world_size=world_size, config=config, **kwargs).train()
+        return "completed"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
 def _killed_before_the_save_point(rank, world_size, root):
     def after_step(model, step):
         if rank == 1 and step == 4:  # past step 4's collectives, before its save point's
             os.kill(os.getpid(), signal.SIGKILL)
-    try:
-        DDPTrainer(rank=rank, world_size=world_size, after_step=after_step,
-                   config=cfg_for(root, save_every_iters=4, max_steps=8, dist_timeout=20)).train()
-        return "completed"
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
+    return _outcome(rank, world_size, cfg_for(root, save_every_iters=4, max_steps=8, dist_timeout=20),
+                    after_step=after_step)
 
 
 def test_a_peer_lost_at_a_save_point_leaves_rank_0_the_weights_of_that_step(tmp_path):
@@ -233,12 +238,8 @@ def _peer_lost_in_after_step(rank, world_size, root):
             if rank == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
             torch.distributed.barrier()
-    try:
-        DDPTrainer(rank=rank, world_size=world_size, after_step=after_step,
-                   config=cfg_for(root, save_every_iters=3, max_steps=8, dist_timeout=20)).train()
-        return "completed"
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
+    return _outcome(rank, world_size, cfg_for(root, save_every_iters=3, max_steps=8, dist_timeout=20),
+                    after_step=after_step)
 
 
 def test_a_peer_lost_in_the_update_saves_no_weights_as_the_last_good_ones(tmp_path):
@@ -265,12 +266,8 @@ def _stop_then_peer_lost_in_its_save(rank, world_size, root):
             if threading.current_thread().name == "checkpoint-writer":
                 time.sleep(3)
         torch.save = slow_save
-    try:
-        DDPTrainer(rank=rank, world_size=world_size, loss_fn=SignalAt(4) if rank == 0 else lm_loss,
-                   config=cfg_for(root, max_steps=8, dist_timeout=20)).train()
-        return "completed"
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
+    return _outcome(rank, world_size, cfg_for(root, max_steps=8, dist_timeout=20),
+                    loss_fn=SignalAt(4) if rank == 0 else lm_loss)
 
 
 def test_a_peer_lost_in_a_stops_save_leaves_one_whole_interrupted_file(tmp_path):
@@ -300,11 +297,7 @@ def _optimizer_fails_on_rank_1(rank, world_size, root):
         if rank == 1:
             raise RuntimeError("injected failure in the optimizer factory")
         return torch.optim.SGD(groups, lr=0.01)
-    try:
-        DDPTrainer(rank=rank, world_size=world_size, config=cfg_for(root), optimizer=factory).train()
-        return "completed"
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
+    return _outcome(rank, world_size, cfg_for(root), optimizer=factory)
 
 
 def test_a_set_up_failure_of_one_rank_is_named_by_the_ranks_past_set_up(tmp_path):
